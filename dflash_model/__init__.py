@@ -1,0 +1,1 @@
+"""DFlash drafter and target models in Flax NNX: configs, forwards, weights."""

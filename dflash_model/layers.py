@@ -1,0 +1,78 @@
+"""Pure functional pieces shared by the target and the drafter: RMSNorm, RoPE, grouped attention, SwiGLU.
+
+Dimension letters: B batch, T query positions, S key positions, D model width, N query heads,
+K kv heads, G query heads per kv head (N = K*G), H head dim, F MLP width, V vocab.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_model.config import RopeScaling
+
+# A large finite negative instead of -inf: rows whose every key is masked (padding) stay NaN-free.
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+
+
+def rms_norm(x, w, eps: float):
+    """RMSNorm as HF computes it: normalise in fp32, cast back, then scale by the weight."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return w.astype(x.dtype) * normed.astype(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> np.ndarray:
+    """Inverse frequencies [H/2] in float32, with Llama-3.1 frequency scaling when given.
+
+    Computed in NumPy at trace time: they are constants of the architecture.
+    """
+    # float32 throughout, as HF computes them: at position 600 a 1-ulp frequency difference is already 4e-5 rad.
+    exponent = np.arange(0, head_dim, 2).astype(np.float32) / np.float32(head_dim)
+    inv_freq = np.float32(1.0) / (np.float32(theta) ** exponent)
+    if scaling is not None:
+        # Llama 3.1: long wavelengths are slowed down by `factor`, short ones kept, a smooth ramp between.
+        old = scaling.original_max_position_embeddings
+        low_wavelen = old / scaling.low_freq_factor
+        high_wavelen = old / scaling.high_freq_factor
+        wavelen = np.float32(2 * np.pi) / inv_freq
+        scaled = np.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+        smooth = (old / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = np.where(medium, smoothed, scaled)
+    return inv_freq.astype(np.float32)
+
+
+def rope_angles(positions, inv_freq):
+    """cos, sin [..., H/2] in fp32 for integer positions [...]."""
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x_BTNH, cos_BTh, sin_BTh):
+    """Rotate-half RoPE (the HF layout: first half / second half of each head), computed in fp32."""
+    x = x_BTNH.astype(jnp.float32)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    cos, sin = cos_BTh[:, :, None, :], sin_BTh[:, :, None, :]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BTNH.dtype)
+
+
+def attend(q_BTNH, k_BSKH, v_BSKH, mask_BTS):
+    """Softmax attention with grouped kv heads; mask True = may attend. Scores and softmax in fp32."""
+    b, t, n, h = q_BTNH.shape
+    kv_heads = k_BSKH.shape[2]
+    q = q_BTNH.reshape(b, t, kv_heads, n // kv_heads, h)
+    scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k_BSKH, preferred_element_type=jnp.float32) * (h**-0.5)
+    scores = jnp.where(mask_BTS[:, None, None, :, :], scores, MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_BSKH.dtype)
+    out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v_BSKH)
+    return out.reshape(b, t, n, h)
+
+
+def swiglu(x_BTD, gate_DF, up_DF, down_FD):
+    return (jax.nn.silu(x_BTD @ gate_DF.astype(x_BTD.dtype)) * (x_BTD @ up_DF.astype(x_BTD.dtype))) @ down_FD.astype(
+        x_BTD.dtype
+    )

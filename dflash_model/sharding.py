@@ -1,0 +1,89 @@
+"""Meshes and parameter sharding: one table from Tunix's logical axis names to this project's mesh axes."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+# Tunix annotates parameters with 'fsdp' (model dim), 'tp' (heads / MLP width / vocab) and 'sp' (sequence).
+LOGICAL_TO_MESH = {"fsdp": "fsdp", "tp": "tensor", "sp": None}
+
+# Activations and caches: batch over data x fsdp, kv heads over tensor.
+BATCH_AXES = ("data", "fsdp")
+
+
+def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1, devices=None) -> Mesh:
+    """A (data, fsdp, tensor) mesh over `devices` (default: all). Axes are Auto: jax 0.12's default
+    Explicit axes break the embedding gather."""
+    devices = jax.devices() if devices is None else devices
+    if data * fsdp * tensor != len(devices):
+        raise ValueError(f"mesh data={data} x fsdp={fsdp} x tensor={tensor} != {len(devices)} devices")
+    grid = np.asarray(devices).reshape(data, fsdp, tensor)
+    return Mesh(grid, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3)
+
+
+def abstract_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1) -> AbstractMesh:
+    """A mesh of the given shape with no devices: enough to plan shardings of pod-sized models here."""
+    return AbstractMesh((data, fsdp, tensor), MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3)
+
+
+def _mesh_spec(logical: PartitionSpec, shape, mesh) -> PartitionSpec:
+    """Translate logical names; replicate a dimension the mesh axis does not divide (e.g. SmolLM2's 9 heads
+    on tensor=2), since uneven shards are not allowed for parameters."""
+    out = []
+    for dim, name in zip(shape, tuple(logical) + (None,) * (len(shape) - len(logical))):
+        axis = LOGICAL_TO_MESH.get(name, name) if name is not None else None
+        if axis is not None and (axis not in mesh.axis_names or dim % mesh.shape[axis]):
+            axis = None
+        out.append(axis)
+    return PartitionSpec(*out)
+
+
+def param_specs(model: nnx.Module, mesh) -> dict[tuple, PartitionSpec]:
+    """Mesh PartitionSpec for every nnx.Param of `model` (concrete or abstract), keyed by path."""
+    specs = {}
+    for path, param in nnx.iter_graph(model):
+        if isinstance(param, nnx.Param):
+            logical = PartitionSpec(*(param.get_metadata().get("out_sharding") or ()))
+            specs[path] = _mesh_spec(logical, param.get_value().shape, mesh)
+    return specs
+
+
+def param_shardings(model: nnx.Module, mesh: Mesh) -> dict[tuple, NamedSharding]:
+    return {path: NamedSharding(mesh, spec) for path, spec in param_specs(model, mesh).items()}
+
+
+def shard_model(model: nnx.Module, mesh: Mesh) -> nnx.Module:
+    """Place every parameter of `model` on `mesh` in place."""
+    shardings = param_shardings(model, mesh)
+    for path, param in nnx.iter_graph(model):
+        if isinstance(param, nnx.Param):
+            param.set_value(jax.device_put(param.get_value(), shardings[path]))
+    return model
+
+
+def batch_sharding(mesh: Mesh, ndim: int, batch_axis: int = 0) -> NamedSharding:
+    """Shard one axis of an activation over data x fsdp, replicate the rest."""
+    spec = [None] * ndim
+    spec[batch_axis] = BATCH_AXES
+    return NamedSharding(mesh, PartitionSpec(*spec))
+
+
+def memory_report(model: nnx.Module, mesh) -> dict:
+    """Parameter count, total bytes and the largest per-device bytes of `model` sharded on `mesh`."""
+    specs = param_specs(model, mesh)
+    count = total = per_device = 0
+    for path, param in nnx.iter_graph(model):
+        if isinstance(param, nnx.Param):
+            value = param.get_value()
+            size = math.prod(value.shape)
+            nbytes = size * np.dtype(value.dtype).itemsize
+            split = math.prod(mesh.shape[a] for a in specs[path] if a is not None)
+            count, total, per_device = count + size, total + nbytes, per_device + nbytes / split
+    return {"params": count, "bytes": total, "bytes_per_device": per_device, "mesh": dict(mesh.shape)}

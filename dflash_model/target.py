@@ -1,0 +1,225 @@
+"""Target LLMs (Qwen3, Llama) on Tunix's NNX modules, with a cached forward that returns chosen layers' outputs.
+
+The parameters live in Tunix's own `Qwen3` / `Llama3` modules (their presets, parameter layout and sharding
+annotations). The forward pass is ours, written over those parameters, because Tunix's forward cannot do
+what speculative decoding needs:
+  * its KV cache keeps one `end_index` for the whole batch (rows cannot sit at different lengths) and has no
+    crop; verification needs per-row starts and roll-back;
+  * it returns only the final-norm output, not the outputs of chosen decoder layers;
+  * Tunix's Qwen3 attention ignores `rope_theta` and its Llama3 has no Llama-3.1 frequency scaling.
+
+Dimension letters as in layers.py; L = decoder layers, C = cache capacity (max_len + block).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dflash_model.config import TargetConfig
+from dflash_model.layers import apply_rope, attend, rms_norm, rope_angles, rope_inv_freq, swiglu
+
+
+def _jnp_dtype(name: str):
+    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
+
+
+def build_target(cfg: TargetConfig, *, seed: int = 0) -> nnx.Module:
+    """The Tunix module for `cfg` with Tunix's initialisation (use `nnx.eval_shape` for an abstract one)."""
+    rngs = nnx.Rngs(seed)
+    dtype = _jnp_dtype(cfg.dtype)
+    if cfg.family == "qwen3":
+        from tunix.models.qwen3 import model as qwen3
+
+        tcfg = qwen3.ModelConfig(
+            num_layers=cfg.num_hidden_layers, vocab_size=cfg.vocab_size, embed_dim=cfg.hidden_size,
+            hidden_dim=cfg.intermediate_size, num_heads=cfg.num_attention_heads, head_dim=cfg.head_dim,
+            num_kv_heads=cfg.num_key_value_heads, rope_theta=cfg.rope_theta, norm_eps=cfg.rms_norm_eps,
+            use_tied_embedding=cfg.tie_word_embeddings, dtype=dtype, param_dtype=dtype,
+        )
+        model = qwen3.Qwen3(tcfg, rngs=rngs)
+    else:
+        from tunix.models.llama3 import model as llama3
+
+        tcfg = llama3.ModelConfig(
+            num_layers=cfg.num_hidden_layers, vocab_size=cfg.vocab_size, embed_dim=cfg.hidden_size,
+            hidden_dim=cfg.intermediate_size, num_heads=cfg.num_attention_heads, head_dim=cfg.head_dim,
+            num_kv_heads=cfg.num_key_value_heads, rope_theta=cfg.rope_theta, norm_eps=cfg.rms_norm_eps,
+            weight_tying=cfg.tie_word_embeddings,
+        )
+        model = llama3.Llama3(tcfg, rngs=rngs)
+        if dtype != jnp.float32:  # Tunix's Llama3 always initialises fp32 parameters
+            _cast_params(model, dtype)
+    model.target_config = cfg  # plain attribute: static graph data, not a parameter
+    return model
+
+
+def _cast_params(model: nnx.Module, dtype) -> None:
+    for _, param in nnx.iter_graph(model):
+        if isinstance(param, nnx.Param):
+            param.set_value(param[...].astype(dtype))
+
+
+def randomize(model: nnx.Module, seed: int = 0, std: float = 0.05) -> nnx.Module:
+    """Fill every weight with N(0, std) and every norm with 1 + N(0, 0.1): Tunix zero-initialises the MLP,
+    and a test model with zero MLPs or unit norms would hide bugs."""
+    rng = np.random.default_rng(seed)
+    for path, param in nnx.iter_graph(model):
+        if isinstance(param, nnx.Param):
+            shape, dtype = param.get_value().shape, param.get_value().dtype
+            is_norm = "norm" in "/".join(map(str, path))
+            values = 1.0 + 0.1 * rng.standard_normal(shape) if is_norm else std * rng.standard_normal(shape)
+            param.set_value(jnp.asarray(values, dtype=dtype))
+    return model
+
+
+def config_of(model: nnx.Module) -> TargetConfig:
+    return model.target_config
+
+
+@flax.struct.dataclass
+class KVCache:
+    """Per-layer keys/values for every row, plus each row's committed length.
+
+    Invariant: positions below `lengths[b]` hold the K/V of committed tokens; anything above is stale and is
+    never read, because a forward at `start = lengths` overwrites positions start..start+T-1 before any query
+    can see them (queries see keys at positions <= their own). Cropping is therefore just lowering `lengths`.
+    """
+
+    k: jax.Array  # [L, B, C, K, H]
+    v: jax.Array  # [L, B, C, K, H]
+    lengths: jax.Array  # [B] int32
+
+    @classmethod
+    def init(cls, cfg: TargetConfig, batch: int, capacity: int, dtype=None) -> KVCache:
+        shape = (cfg.num_hidden_layers, batch, capacity, cfg.num_key_value_heads, cfg.head_dim)
+        dtype = dtype or _jnp_dtype(cfg.dtype)
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+    def crop(self, lengths) -> KVCache:
+        """Roll every row back to `lengths` (scalar or [B]); never grows a row."""
+        return self.replace(lengths=jnp.minimum(self.lengths, jnp.asarray(lengths, jnp.int32)))
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetOutput:
+    logits: jax.Array | None  # [B, T, V] fp32, or [B, V] when `logits_at` was given
+    features: jax.Array | None  # [B, T, len(layer_ids) * D], layer outputs concatenated in layer_ids order
+    cache: KVCache | None
+
+
+jax.tree_util.register_dataclass(TargetOutput, data_fields=["logits", "features", "cache"], meta_fields=[])
+
+
+def embed(model: nnx.Module, tokens_BT):
+    table = model.embedder.input_embedding[...]
+    return jnp.take(table, tokens_BT, axis=0).astype(_jnp_dtype(config_of(model).dtype))
+
+
+def lm_head(model: nnx.Module, hidden_BTD):
+    """Logits in fp32 from final-normed hidden states (tied models use the embedding table)."""
+    cfg = config_of(model)
+    if cfg.tie_word_embeddings:
+        w_DV = model.embedder.input_embedding[...].T
+    else:
+        w_DV = model.lm_head.w[...]
+    return jnp.einsum("...D,DV->...V", hidden_BTD, w_DV.astype(hidden_BTD.dtype)).astype(jnp.float32)
+
+
+def final_norm(model: nnx.Module, hidden):
+    return rms_norm(hidden, model.final_norm.w[...], config_of(model).rms_norm_eps)
+
+
+def _write_rows(cache_BCKH, new_BTKH, start_B):
+    """Write each row's T new entries at its own start position."""
+    return jax.vmap(lambda c, n, s: jax.lax.dynamic_update_slice(c, n, (s, 0, 0)))(cache_BCKH, new_BTKH, start_B)
+
+
+def forward(
+    model: nnx.Module,
+    tokens_BT,
+    cache: KVCache | None = None,
+    *,
+    layer_ids: tuple[int, ...] = (),
+    compute_logits: bool = True,
+    logits_at=None,
+) -> TargetOutput:
+    """One forward over T tokens per row.
+
+    With a cache, row b's tokens sit at positions `cache.lengths[b] + 0..T-1` and attend causally to the
+    cache; the returned cache has `lengths += T` (crop it to keep fewer). Without a cache, positions are
+    0..T-1 and attention is causal within the tokens. The caller sizes the cache so that
+    `lengths + T <= capacity` (beyond it dynamic_update_slice would clamp and corrupt earlier entries).
+
+    layer_ids: 0-based decoder layers whose outputs are returned (layer i = HF hidden_states[i + 1]); only
+      those are kept. logits_at: optional [B] index into T, to compute logits at one position per row.
+    """
+    cfg = config_of(model)
+    layer_ids = validate_layer_ids(cfg, layer_ids)
+    b, t = tokens_BT.shape
+    start_B = jnp.zeros((b,), jnp.int32) if cache is None else cache.lengths
+    positions_BT = start_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    cos, sin = rope_angles(positions_BT, rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+    if cache is None:
+        kv_positions = jnp.arange(t, dtype=jnp.int32)
+    else:
+        kv_positions = jnp.arange(cache.capacity, dtype=jnp.int32)
+    mask_BTS = kv_positions[None, None, :] <= positions_BT[:, :, None]
+
+    eps = cfg.rms_norm_eps
+    x = embed(model, tokens_BT)
+    cache_k, cache_v = (None, None) if cache is None else (cache.k, cache.v)
+    features = []
+    wanted = set(layer_ids)
+    for i, layer in enumerate(model.layers):
+        attn = layer.attn
+        h = rms_norm(x, layer.input_layernorm.w[...], eps)
+        q = jnp.einsum("BTD,DNH->BTNH", h, attn.q_proj.w[...].astype(h.dtype))
+        k = jnp.einsum("BTD,DKH->BTKH", h, attn.k_proj.w[...].astype(h.dtype))
+        v = jnp.einsum("BTD,DKH->BTKH", h, attn.v_proj.w[...].astype(h.dtype))
+        if cfg.qk_norm:
+            q = rms_norm(q, attn.q_norm.w[...], eps)
+            k = rms_norm(k, attn.k_norm.w[...], eps)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k = _write_rows(cache_k[i], k.astype(cache_k.dtype), start_B)
+            v = _write_rows(cache_v[i], v.astype(cache_v.dtype), start_B)
+            cache_k, cache_v = cache_k.at[i].set(k), cache_v.at[i].set(v)
+        o = attend(q, k.astype(q.dtype), v.astype(q.dtype), mask_BTS)
+        x = x + jnp.einsum("BTNH,NHD->BTD", o, attn.o_proj.w[...].astype(o.dtype))
+        h = rms_norm(x, layer.post_attention_layernorm.w[...], eps)
+        mlp = layer.mlp
+        x = x + swiglu(h, mlp.gate_proj.kernel[...], mlp.up_proj.kernel[...], mlp.down_proj.kernel[...])
+        if i in wanted:
+            features.append((i, x))
+
+    feats = None
+    if layer_ids:
+        by_id = dict(features)
+        feats = jnp.concatenate([by_id[i] for i in layer_ids], axis=-1)
+    logits = None
+    if compute_logits:
+        if logits_at is not None:
+            x = jnp.take_along_axis(x, jnp.asarray(logits_at, jnp.int32)[:, None, None], axis=1)[:, 0]
+        logits = lm_head(model, final_norm(model, x))
+    new_cache = None
+    if cache is not None:
+        new_cache = KVCache(cache_k, cache_v, start_B + t)
+    return TargetOutput(logits, feats, new_cache)
+
+
+def validate_layer_ids(cfg: TargetConfig, layer_ids) -> tuple[int, ...]:
+    ids = tuple(int(i) for i in layer_ids)
+    bad = [i for i in ids if not 0 <= i < cfg.num_hidden_layers]
+    if bad:
+        raise ValueError(f"target_layer_ids {bad} outside the target's 0..{cfg.num_hidden_layers - 1} layers")
+    return ids

@@ -1,0 +1,90 @@
+"""Tokenizers and chat templates for targets: HF directories and GGUF files, through transformers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# GGUF metadata key (after "tokenizer.") -> the name transformers' GGUF tokenizer converter expects.
+_GGUF_TOKENIZER_KEYS = {
+    "ggml.model": "tokenizer_type",
+    "ggml.tokens": "tokens",
+    "ggml.scores": "scores",
+    "ggml.token_type": "token_type",
+    "ggml.merges": "merges",
+    "ggml.bos_token_id": "bos_token_id",
+    "ggml.eos_token_id": "eos_token_id",
+    "ggml.unknown_token_id": "unk_token_id",
+    "ggml.padding_token_id": "pad_token_id",
+    "ggml.add_space_prefix": "add_prefix_space",
+}
+
+
+def _gguf_tokenizer(path: Path):
+    """transformers' own GGUF -> fast-tokenizer converter, fed from the `gguf` reader.
+
+    `AutoTokenizer.from_pretrained(gguf_file=...)` would do the same but refuses to run without torch, which
+    must never be a runtime dependency here; the conversion itself does not need torch.
+    """
+    from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.ggml import convert_gguf_tokenizer
+
+    from dflash_model.weights import GGUFSource
+
+    meta = GGUFSource(path).metadata
+    fields = {new: meta[f"tokenizer.{old}"] for old, new in _GGUF_TOKENIZER_KEYS.items() if f"tokenizer.{old}" in meta}
+    if "tokens" not in fields:
+        raise ValueError(f"{path}: GGUF file has no tokenizer (tokenizer.ggml.tokens)")
+    backend, extra = convert_gguf_tokenizer(meta.get("general.architecture", "llama"), fields)
+    tokens = fields["tokens"]
+    special = {
+        f"{name}_token": tokens[fields[f"{name}_token_id"]]
+        for name in ("bos", "eos", "unk", "pad")
+        if f"{name}_token_id" in fields
+    }
+    # The GGUF's own special-token ids win over the converter's guesses (for this 'llama' + gpt2-BPE file it
+    # names <|im_start|> as eos, where the metadata says id 2, <|im_end|>). No clean-up: it corrupts BPE text.
+    kwargs = extra | special | {"clean_up_tokenization_spaces": False}
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, **kwargs)
+    if meta.get("tokenizer.chat_template"):
+        tok.chat_template = meta["tokenizer.chat_template"]
+    return tok
+
+
+def load_tokenizer(path: str | Path):
+    """The tokenizer (with chat template) of an HF model directory or a GGUF file."""
+    path = Path(path)
+    if path.suffix == ".gguf":
+        return _gguf_tokenizer(path)
+    from transformers import AutoTokenizer
+
+    if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
+        raise FileNotFoundError(f"{path}: no tokenizer.json / tokenizer_config.json")
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict] | str, *, thinking: bool = False) -> list[int]:
+    """Token ids of `messages` rendered by the tokenizer's chat template, ready for the assistant's turn.
+
+    Thinking is off by default (the DFlash drafters are trained and evaluated that way); templates without
+    an `enable_thinking` switch ignore the flag.
+    """
+    if isinstance(messages, str):
+        messages = [{"role": "user", "content": messages}]
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("tokenizer has no chat template; pass plain prompts instead of --chat")
+    text = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False, enable_thinking=thinking
+    )
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def stop_token_ids(tokenizer) -> list[int]:
+    """Ids that end a response: eos plus the chat template's end-of-turn markers when they are tokens."""
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    vocab = tokenizer.get_vocab()
+    for marker in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<end_of_turn>"):
+        if marker in vocab:
+            ids.add(int(vocab[marker]))
+    return sorted(ids)

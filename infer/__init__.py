@@ -1,0 +1,1 @@
+"""Inference: the speculative decode loop and evaluation."""

@@ -1,0 +1,1 @@
+"""Training: DFlash objective, Tunix trainer, configs, checkpoints."""
