@@ -18,6 +18,7 @@ import numpy as np
 from flax import nnx
 
 from dflash_model.config import ConfigError, RopeScaling, TargetConfig, load_hf_config
+from dflash_model.sharding import param_shardings
 from dflash_model.target import build_target
 
 FLOAT_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
@@ -287,9 +288,11 @@ def check_tensors(source, cfg: TargetConfig, expected_dtype: str | None) -> None
         raise CheckpointError(f"checkpoint does not match its config ({len(problems)} problems):\n  {shown}")
 
 
-def load_into_module(source, cfg: TargetConfig, *, shardings=None) -> nnx.Module:
-    """Build the module abstractly, then fill every parameter from `source` (already checked)."""
+def load_into_module(source, cfg: TargetConfig, *, mesh=None) -> nnx.Module:
+    """Build the module abstractly, then fill every parameter from `source` (already checked), placing each
+    one on `mesh` by the sharding rules as it is read (a big model is never whole on one device)."""
     abstract = nnx.eval_shape(lambda: build_target(cfg))
+    shardings = None if mesh is None else param_shardings(abstract, mesh)
     params = {path: p for path, p in nnx.iter_graph(abstract) if isinstance(p, nnx.Param)}
     dtype = jnp.bfloat16 if cfg.dtype == "bfloat16" else jnp.float32
     specs = hf_tensor_specs(cfg)
@@ -306,32 +309,32 @@ def load_into_module(source, cfg: TargetConfig, *, shardings=None) -> nnx.Module
     return abstract
 
 
-def load_hf_target(model_dir: str | Path, *, dtype: str | None = None, shardings=None):
+def load_hf_target(model_dir: str | Path, *, dtype: str | None = None, mesh=None):
     """(config, module) from an HF safetensors directory; dtype casts after the strict check."""
     file_cfg = load_hf_config(model_dir)
     source = SafetensorsSource(model_dir)
     check_tensors(source, file_cfg, expected_dtype=file_cfg.dtype)
     cfg = file_cfg if dtype is None else file_cfg.replace(dtype=dtype)
-    return cfg, load_into_module(source, cfg, shardings=shardings)
+    return cfg, load_into_module(source, cfg, mesh=mesh)
 
 
-def load_gguf_target(path: str | Path, *, dtype: str = "float32", shardings=None):
+def load_gguf_target(path: str | Path, *, dtype: str = "float32", mesh=None):
     """(config, module) from a Llama-architecture GGUF file, dequantised (Q4_1, Q8_0, F16, ... via gguf)."""
     source = GGUFSource(path)
     cfg = source.config(dtype=dtype)
     if source.unmapped:
         raise CheckpointError(f"{path}: unexpected GGUF tensors {source.unmapped[:5]}")
     check_tensors(source, cfg, expected_dtype=None)
-    return cfg, load_into_module(source, cfg, shardings=shardings)
+    return cfg, load_into_module(source, cfg, mesh=mesh)
 
 
-def load_target(path: str | Path, *, dtype: str | None = None, shardings=None):
+def load_target(path: str | Path, *, dtype: str | None = None, mesh=None):
     """An HF directory or a .gguf file."""
     path = Path(path)
     if path.suffix == ".gguf":
-        return load_gguf_target(path, dtype=dtype or "float32", shardings=shardings)
+        return load_gguf_target(path, dtype=dtype or "float32", mesh=mesh)
     if path.is_dir():
-        return load_hf_target(path, dtype=dtype, shardings=shardings)
+        return load_hf_target(path, dtype=dtype, mesh=mesh)
     raise CheckpointError(f"{path}: expected an HF model directory (config.json + *.safetensors) or a .gguf file")
 
 

@@ -32,6 +32,7 @@ REQUIREMENTS=(
   "safetensors==0.8.0"
   "numpy==2.4.6"
   "sentencepiece==0.2.3"
+  "accelerate==1.15.0"  # transformers requires it to load a GGUF checkpoint
 )
 
 is_py311() {
@@ -78,7 +79,7 @@ fi
 STAMP="$REFENV/.dflash-reference-requirements"
 WANT="$(printf '%s\n' "${REQUIREMENTS[@]}")"
 if [ "$(cat "$STAMP" 2>/dev/null || true)" != "$WANT" ] \
-  || ! "$REFENV/bin/python" -c 'import torch, transformers, gguf, safetensors, numpy, sentencepiece' \
+  || ! "$REFENV/bin/python" -c 'import torch, transformers, gguf, safetensors, numpy, sentencepiece, accelerate' \
     >/dev/null 2>&1; then
   echo "Installing reference packages into $REFENV"
   PIP_ARGS=()
