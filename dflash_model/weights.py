@@ -6,6 +6,7 @@ mismatched checkpoint is an error naming the tensor and never a half-loaded mode
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from collections.abc import Callable
@@ -19,7 +20,7 @@ from flax import nnx
 
 from dflash_model.config import ConfigError, RopeScaling, TargetConfig, load_hf_config
 from dflash_model.sharding import param_shardings
-from dflash_model.target import build_target
+from dflash_model.target import build_target, config_of
 
 FLOAT_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
@@ -221,41 +222,45 @@ class TensorSpec:
     hf_shape: tuple[int, ...]
     path: tuple  # path of the nnx.Param in the Tunix module
     to_param: Callable  # HF (torch) layout -> Tunix layout
+    to_hf: Callable  # and back
 
 
 def hf_tensor_specs(cfg: TargetConfig) -> dict[str, TensorSpec]:
     """Every tensor an HF checkpoint of `cfg` must contain, with where it goes in the Tunix module."""
     d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     n, k, h = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    same = lambda w: w
-    t = lambda w: w.T
+    same = (lambda w: w, lambda w: w)
+    t = (lambda w: w.T, lambda w: w.T)
     # torch Linear is [out, in]; Tunix keeps einsum layouts [D, N, H] (q/k/v) and [N, H, D] (o).
-    qkv = lambda heads: lambda w: w.reshape(heads, h, d).transpose(2, 0, 1)
-    o = lambda w: w.reshape(d, n, h).transpose(1, 2, 0)
+    qkv = lambda heads: (
+        lambda w: w.reshape(heads, h, d).transpose(2, 0, 1),
+        lambda w: w.transpose(1, 2, 0).reshape(heads * h, d),
+    )
+    o = (lambda w: w.reshape(d, n, h).transpose(1, 2, 0), lambda w: w.transpose(2, 0, 1).reshape(d, n * h))
     specs = {
-        "model.embed_tokens.weight": TensorSpec((v, d), ("embedder", "input_embedding"), same),
-        "model.norm.weight": TensorSpec((d,), ("final_norm", "w"), same),
+        "model.embed_tokens.weight": TensorSpec((v, d), ("embedder", "input_embedding"), *same),
+        "model.norm.weight": TensorSpec((d,), ("final_norm", "w"), *same),
     }
     if not cfg.tie_word_embeddings:
-        specs["lm_head.weight"] = TensorSpec((v, d), ("lm_head", "w"), t)
+        specs["lm_head.weight"] = TensorSpec((v, d), ("lm_head", "w"), *t)
     for i in range(cfg.num_hidden_layers):
         p, a = f"model.layers.{i}.", ("layers", i, "attn")
         specs |= {
-            p + "input_layernorm.weight": TensorSpec((d,), ("layers", i, "input_layernorm", "w"), same),
+            p + "input_layernorm.weight": TensorSpec((d,), ("layers", i, "input_layernorm", "w"), *same),
             p + "post_attention_layernorm.weight": TensorSpec(
-                (d,), ("layers", i, "post_attention_layernorm", "w"), same
+                (d,), ("layers", i, "post_attention_layernorm", "w"), *same
             ),
-            p + "self_attn.q_proj.weight": TensorSpec((n * h, d), (*a, "q_proj", "w"), qkv(n)),
-            p + "self_attn.k_proj.weight": TensorSpec((k * h, d), (*a, "k_proj", "w"), qkv(k)),
-            p + "self_attn.v_proj.weight": TensorSpec((k * h, d), (*a, "v_proj", "w"), qkv(k)),
-            p + "self_attn.o_proj.weight": TensorSpec((d, n * h), (*a, "o_proj", "w"), o),
-            p + "mlp.gate_proj.weight": TensorSpec((f, d), ("layers", i, "mlp", "gate_proj", "kernel"), t),
-            p + "mlp.up_proj.weight": TensorSpec((f, d), ("layers", i, "mlp", "up_proj", "kernel"), t),
-            p + "mlp.down_proj.weight": TensorSpec((d, f), ("layers", i, "mlp", "down_proj", "kernel"), t),
+            p + "self_attn.q_proj.weight": TensorSpec((n * h, d), (*a, "q_proj", "w"), *qkv(n)),
+            p + "self_attn.k_proj.weight": TensorSpec((k * h, d), (*a, "k_proj", "w"), *qkv(k)),
+            p + "self_attn.v_proj.weight": TensorSpec((k * h, d), (*a, "v_proj", "w"), *qkv(k)),
+            p + "self_attn.o_proj.weight": TensorSpec((d, n * h), (*a, "o_proj", "w"), *o),
+            p + "mlp.gate_proj.weight": TensorSpec((f, d), ("layers", i, "mlp", "gate_proj", "kernel"), *t),
+            p + "mlp.up_proj.weight": TensorSpec((f, d), ("layers", i, "mlp", "up_proj", "kernel"), *t),
+            p + "mlp.down_proj.weight": TensorSpec((d, f), ("layers", i, "mlp", "down_proj", "kernel"), *t),
         }
         if cfg.qk_norm:
-            specs[p + "self_attn.q_norm.weight"] = TensorSpec((h,), (*a, "q_norm", "w"), same)
-            specs[p + "self_attn.k_norm.weight"] = TensorSpec((h,), (*a, "k_norm", "w"), same)
+            specs[p + "self_attn.q_norm.weight"] = TensorSpec((h,), (*a, "q_norm", "w"), *same)
+            specs[p + "self_attn.k_norm.weight"] = TensorSpec((h,), (*a, "k_norm", "w"), *same)
     return specs
 
 
@@ -326,6 +331,41 @@ def load_gguf_target(path: str | Path, *, dtype: str = "float32", mesh=None):
         raise CheckpointError(f"{path}: unexpected GGUF tensors {source.unmapped[:5]}")
     check_tensors(source, cfg, expected_dtype=None)
     return cfg, load_into_module(source, cfg, mesh=mesh)
+
+
+def to_hf_config(cfg: TargetConfig) -> dict:
+    """The config.json an HF checkpoint of `cfg` carries."""
+    out = {
+        "architectures": ["Qwen3ForCausalLM" if cfg.family == "qwen3" else "LlamaForCausalLM"],
+        "model_type": cfg.family, "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim, "rope_theta": cfg.rope_theta, "rms_norm_eps": cfg.rms_norm_eps,
+        "tie_word_embeddings": cfg.tie_word_embeddings, "max_position_embeddings": cfg.max_position_embeddings,
+        "hidden_act": "silu", "attention_bias": False, "torch_dtype": cfg.dtype,
+    }
+    if cfg.rope_scaling is not None:
+        out["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(cfg.rope_scaling)}
+    return out
+
+
+def save_hf_target(model: nnx.Module, out_dir: str | Path, dtype: str | None = None) -> Path:
+    """Write `model` as an HF directory (config.json + model.safetensors), the inverse of load_hf_target."""
+    from safetensors.flax import save_file
+
+    cfg = config_of(model)
+    cfg = cfg if dtype is None else cfg.replace(dtype=dtype)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    params = {path: p for path, p in nnx.iter_graph(model) if isinstance(p, nnx.Param)}
+    jdtype = jnp.bfloat16 if cfg.dtype == "bfloat16" else jnp.float32
+    tensors = {
+        name: jnp.asarray(spec.to_hf(params[spec.path][...])).astype(jdtype)
+        for name, spec in hf_tensor_specs(cfg).items()
+    }
+    save_file(tensors, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(to_hf_config(cfg), indent=2))
+    return out
 
 
 def load_target(path: str | Path, *, dtype: str | None = None, mesh=None):
