@@ -12,7 +12,6 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from dflash_model.target import KVCache, config_of, forward
 
@@ -49,9 +48,10 @@ def prefill(model, ids_BP, lengths_B, capacity: int, layer_ids=()):
     return jnp.argmax(out.logits, axis=-1).astype(jnp.int32), out, out.cache.crop(lengths_B)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "stop_ids"))
-def _greedy(graphdef, state, ids_BP, lengths_B, *, max_new_tokens: int, stop_ids: tuple[int, ...]):
-    model = nnx.merge(graphdef, state)
+# The module itself is the jit argument (NNX modules are pytrees): its GraphDef cannot be a static argument
+# because Tunix's ModelConfig, held in it, is unhashable.
+@functools.partial(jax.jit, static_argnames=("max_new_tokens", "stop_ids"))
+def _greedy(model, ids_BP, lengths_B, *, max_new_tokens: int, stop_ids: tuple[int, ...]):
     b = ids_BP.shape[0]
     capacity = ids_BP.shape[1] + max_new_tokens
     first, _, cache = prefill(model, ids_BP, lengths_B, capacity)
@@ -78,9 +78,8 @@ def _greedy(graphdef, state, ids_BP, lengths_B, *, max_new_tokens: int, stop_ids
 def greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, stop_ids=(), pad_id: int = 0):
     """Greedy continuation of each prompt; returns a list of token lists (each cut after its first stop id)."""
     ids, lengths = pad_prompts(prompts, pad_id)
-    graphdef, state = nnx.split(model)
     out, _ = _greedy(
-        graphdef, state, jnp.asarray(ids), jnp.asarray(lengths),
+        model, jnp.asarray(ids), jnp.asarray(lengths),
         max_new_tokens=max_new_tokens, stop_ids=tuple(int(s) for s in stop_ids),
     )
     return [truncate_at_stop(row, stop_ids) for row in np.asarray(out).tolist()]

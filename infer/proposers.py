@@ -21,7 +21,6 @@ import dataclasses
 from typing import Any
 
 import jax.numpy as jnp
-from flax import nnx
 
 
 def last_tokens(history_BC, n_B):
@@ -94,28 +93,19 @@ class NGramProposer:
 class DFlashProposer:
     """The DFlash block-diffusion drafter: one drafter forward over [last, MASK x (K-1)] per round.
 
-    Its state is the drafter's context cache (K/V of committed target features only), kept at exactly the
-    target cache's length: `observe` is given the TRUE committed count of each round, never the K verified
-    positions (the "sequence length inflation" bug of an earlier port fed it lengths that already counted the
-    tokens under verification).
+    `params` is the drafter module itself (an NNX module is a pytree, so it is traced, not baked in). Its state
+    is the drafter's context cache (K/V of committed target features only), kept at exactly the target
+    cache's length: `observe` is given the TRUE committed count of each round, never the K verified positions
+    (the "sequence length inflation" bug of an earlier port fed it lengths that already counted the tokens
+    under verification).
     """
 
-    graphdef: Any  # nnx GraphDef of the drafter (hashable, static)
-    config: Any  # DrafterConfig
+    config: Any  # DrafterConfig (frozen, hashable)
     name: str = "dflash"
 
     @property
     def layer_ids(self) -> tuple[int, ...]:
         return tuple(int(i) for i in self.config.target_layer_ids)
-
-    @classmethod
-    def from_module(cls, drafter: nnx.Module, config) -> tuple[DFlashProposer, Any]:
-        """(proposer, params) for a drafter module; params is its nnx.State, passed to the engine as data."""
-        graphdef, params = nnx.split(drafter)
-        return cls(graphdef, config), params
-
-    def _drafter(self, params):
-        return nnx.merge(self.graphdef, params)
 
     def init(self, params, batch, capacity):
         from dflash_model.drafter import DraftCache
@@ -125,15 +115,18 @@ class DFlashProposer:
     def observe(self, params, state, feats_BTF, num_new_B):
         from dflash_model.drafter import extend_context
 
-        return extend_context(self._drafter(params), state, feats_BTF, num_new_B)
+        return extend_context(params, state, feats_BTF, num_new_B)
 
     def propose(self, params, target, state, history_BC, n_B, k):
         from dflash_model.drafter import propose
 
         if k > self.config.block_size:
             raise ValueError(f"block size {k} is larger than the drafter's trained K={self.config.block_size}")
-        last_B = last_tokens(history_BC, n_B)
-        return propose(self._drafter(params), target, state, last_B, k).astype(jnp.int32)
+        return propose(params, target, state, last_tokens(history_BC, n_B), k).astype(jnp.int32)
+
+
+def dflash(drafter, config) -> tuple[DFlashProposer, Any]:
+    return DFlashProposer(config), drafter
 
 
 def ngram(max_n: int = 3, min_n: int = 1) -> tuple[NGramProposer, None]:
@@ -144,4 +137,4 @@ def none() -> tuple[NoProposer, None]:
     return NoProposer(), None
 
 
-__all__ = ["DFlashProposer", "NGramProposer", "NoProposer", "last_tokens", "ngram", "none"]
+__all__ = ["DFlashProposer", "NGramProposer", "NoProposer", "dflash", "last_tokens", "ngram", "none"]

@@ -23,7 +23,6 @@ import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from dflash_model.target import KVCache, config_of, forward
 from infer.plain import pad_prompts, truncate_at_stop
@@ -88,7 +87,9 @@ def _round(target, proposer, params, st: DecodeState, *, k, temperature, stop_id
     j = jnp.arange(k)
     stop_hit = _is_stop(target_tok, stop_ids) & (j[None, :] <= a[:, None])
     first_stop = jnp.min(jnp.where(stop_hit, j[None, :], k), axis=1)
-    num_new = jnp.where(st.done, 0, jnp.minimum(a + 1, first_stop + 1))
+    # Also cut at max_new: it keeps n <= P + max_new, so the K-wide writes below stay inside the capacity.
+    room = max_new - (st.n - st.prompt_len)
+    num_new = jnp.where(st.done, 0, jnp.minimum(jnp.minimum(a + 1, first_stop + 1), room))
     history = jax.vmap(lambda h, t, s: jax.lax.dynamic_update_slice(h, t, (s,)))(st.history, target_tok, st.n)
     n = st.n + num_new
 
@@ -105,9 +106,8 @@ def _round(target, proposer, params, st: DecodeState, *, k, temperature, stop_id
     )
 
 
-def _prefill_impl(graphdef, tstate, proposer, params, ids_BP, lengths_B, key, *, k, temperature, stop_ids, max_new):
+def _prefill_impl(target, proposer, params, ids_BP, lengths_B, key, *, k, temperature, stop_ids, max_new):
     TRACES["prefill"] += 1
-    target = nnx.merge(graphdef, tstate)
     b, p = ids_BP.shape
     capacity = p + max_new + k
     out = forward(target, ids_BP, KVCache.init(config_of(target), b, capacity), layer_ids=proposer.layer_ids,
@@ -125,16 +125,17 @@ def _prefill_impl(graphdef, tstate, proposer, params, ids_BP, lengths_B, key, *,
     )
 
 
-def _decode_impl(graphdef, tstate, proposer, params, st, *, k, temperature, stop_ids, max_new):
+def _decode_impl(target, proposer, params, st, *, k, temperature, stop_ids, max_new):
     TRACES["decode"] += 1
-    target = nnx.merge(graphdef, tstate)
     step = functools.partial(_round, target, proposer, params, k=k, temperature=temperature, stop_ids=stop_ids,
                              max_new=max_new)
     max_rounds = st.accept.shape[1]
     return jax.lax.while_loop(lambda s: (s.rounds < max_rounds) & ~jnp.all(s.done), step, st)
 
 
-_STATIC = ("graphdef", "proposer", "k", "temperature", "stop_ids", "max_new")
+# Modules (target, DFlash drafter) are jit arguments as pytrees: their GraphDefs cannot be static arguments
+# because Tunix's ModelConfig, held in them, is unhashable.
+_STATIC = ("proposer", "k", "temperature", "stop_ids", "max_new")
 _prefill = jax.jit(_prefill_impl, static_argnames=_STATIC)
 _decode = jax.jit(_decode_impl, static_argnames=_STATIC, donate_argnames=("st",))
 
@@ -160,7 +161,7 @@ class Engine:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
-        self.graphdef, self.tstate = nnx.split(target)
+        self.target = target
         self.proposer, self.params = proposer, params
         self.static = dict(k=int(block_size), temperature=float(temperature),
                            stop_ids=tuple(sorted(int(s) for s in stop_ids)), max_new=int(max_new_tokens))
@@ -170,12 +171,12 @@ class Engine:
         return self.static["k"]
 
     def prefill(self, ids_BP, lengths_B, key) -> DecodeState:
-        return _prefill(self.graphdef, self.tstate, self.proposer, self.params, ids_BP, lengths_B, key,
+        return _prefill(self.target, self.proposer, self.params, ids_BP, lengths_B, key,
                         **self.static)
 
     def decode(self, state: DecodeState) -> DecodeState:
         """The whole decode loop on device (the state's buffers are donated: do not reuse `state`)."""
-        return _decode(self.graphdef, self.tstate, self.proposer, self.params, state, **self.static)
+        return _decode(self.target, self.proposer, self.params, state, **self.static)
 
     def inputs(self, prompts: list[list[int]], seed: int = 0):
         """Device arrays (ids [B, bucket], lengths [B], key) for `prefill`."""
@@ -185,10 +186,10 @@ class Engine:
     def results(self, state: DecodeState) -> list[Generation]:
         history, plen, n, accept, proposals = jax.device_get(
             (state.history, state.prompt_len, state.n, state.accept, state.proposals))
-        stop_ids, max_new = self.static["stop_ids"], self.static["max_new"]
+        stop_ids = self.static["stop_ids"]
         out = []
         for b in range(history.shape[0]):
-            tokens = history[b, plen[b] : n[b]][:max_new].tolist()
+            tokens = history[b, plen[b] : n[b]].tolist()
             rounds = int(np.count_nonzero(accept[b]))
             out.append(Generation(truncate_at_stop(tokens, stop_ids), accept[b, :rounds].tolist(),
                                   proposals[b, :rounds].tolist()))
