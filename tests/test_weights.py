@@ -53,14 +53,19 @@ def test_missing_tensor(qwen_dir, monkeypatch):
 def test_unexpected_tensor(qwen_dir, monkeypatch):
     _rewrite(qwen_dir, lambda t: t.__setitem__("model.layers.9.mlp.up_proj.weight", np.zeros((2, 2), np.float32)))
     _no_reads(monkeypatch)
-    with pytest.raises(CheckpointError, match=r"unexpected tensor 'model\.layers\.9\.mlp\.up_proj\.weight' in .*model\.safetensors"):
+    with pytest.raises(
+        CheckpointError, match=r"unexpected tensor 'model\.layers\.9\.mlp\.up_proj\.weight' in .*model\.safetensors"
+    ):
         load_hf_target(qwen_dir)
 
 
 def test_wrong_shape(qwen_dir, monkeypatch):
     _rewrite(qwen_dir, lambda t: t.__setitem__("model.layers.0.mlp.down_proj.weight", np.zeros((64, 100), np.float32)))
     _no_reads(monkeypatch)
-    with pytest.raises(CheckpointError, match=r"'model\.layers\.0\.mlp\.down_proj\.weight' .* shape \[64, 100\], config expects \[64, 128\]"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"'model\.layers\.0\.mlp\.down_proj\.weight' .* shape \[64, 100\], config expects \[64, 128\]",
+    ):
         load_hf_target(qwen_dir)
 
 

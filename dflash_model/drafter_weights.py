@@ -1,0 +1,265 @@
+"""z-lab DFlash drafter checkpoints (config.json + model.safetensors): strict load, export, schema check.
+
+The format is the one z-lab publishes and vLLM / SGLang / tpu-inference read: unprefixed tensor names, torch
+Linear layout [out, in], no embedding, no lm_head, no biases, no rotary buffers; 3 + 11 * L tensors.
+Everything is checked (config keys, pairing with the target, every tensor's name, shape and dtype) before the
+first tensor is read, so a mismatch is an error naming it and never a half-loaded drafter.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dflash_model.config import ConfigError, TargetConfig
+from dflash_model.drafter import Drafter, DrafterConfig, abstract_drafter, check_pairing
+from dflash_model.sharding import param_shardings
+from dflash_model.weights import FLOAT_DTYPES, CheckpointError, SafetensorsSource
+
+_SAFETENSORS_DTYPE = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+
+
+@dataclass(frozen=True)
+class DraftTensor:
+    shape: tuple[int, ...]  # torch layout, as stored
+    path: tuple  # path of the nnx.Param in Drafter
+    to_param: Callable  # stored layout -> module layout
+    to_hf: Callable  # and back
+
+
+def zlab_tensor_specs(cfg: DrafterConfig) -> dict[str, DraftTensor]:
+    """Every tensor a z-lab checkpoint of `cfg` holds, keyed by name (the module path joined by dots + '.weight')."""
+    d, m, f = cfg.hidden_size, cfg.intermediate_size, cfg.feature_size
+    q, g, h = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    same = (lambda w: w, lambda w: w)
+    t = (lambda w: w.T, lambda w: w.T)
+    # torch Linear [out, in] <-> einsum layouts [D, heads, H] (q/k/v) and [Q, H, D] (o).
+    heads_in = lambda n: (
+        lambda w: w.reshape(n, h, d).transpose(2, 0, 1),
+        lambda w: w.transpose(1, 2, 0).reshape(n * h, d),
+    )
+    heads_out = (lambda w: w.reshape(d, q, h).transpose(1, 2, 0), lambda w: w.transpose(2, 0, 1).reshape(d, q * h))
+
+    def spec(path, shape, conv):
+        return ".".join(map(str, path)) + ".weight", DraftTensor(shape, path, *conv)
+
+    entries = [spec(("fc",), (d, f), t), spec(("hidden_norm",), (d,), same), spec(("norm",), (d,), same)]
+    for i in range(cfg.num_hidden_layers):
+        layer, attn, mlp = ("layers", i), ("layers", i, "self_attn"), ("layers", i, "mlp")
+        entries += [
+            spec((*layer, "input_layernorm"), (d,), same),
+            spec((*layer, "post_attention_layernorm"), (d,), same),
+            spec((*attn, "q_proj"), (q * h, d), heads_in(q)),
+            spec((*attn, "k_proj"), (g * h, d), heads_in(g)),
+            spec((*attn, "v_proj"), (g * h, d), heads_in(g)),
+            spec((*attn, "o_proj"), (d, q * h), heads_out),
+            spec((*attn, "q_norm"), (h,), same),
+            spec((*attn, "k_norm"), (h,), same),
+            spec((*mlp, "gate_proj"), (m, d), t),
+            spec((*mlp, "up_proj"), (m, d), t),
+            spec((*mlp, "down_proj"), (d, m), t),
+        ]
+    return dict(entries)
+
+
+def _declared_dtype(raw: dict) -> str:
+    """The dtype the config says the tensors are stored in (`torch_dtype`, or transformers 5's `dtype`)."""
+    return raw.get("torch_dtype", raw.get("dtype", "float32"))
+
+
+def _read_config(model_dir: Path) -> dict:
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{path}: not found (expected a z-lab drafter directory with config.json)")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: invalid JSON ({e})") from e
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a JSON object")
+    return raw
+
+
+def tensor_problems(source, cfg: DrafterConfig, declared_dtype: str | None) -> list[str]:
+    """Every missing, unexpected, mis-shaped or mis-typed tensor of `source` against `cfg`."""
+    specs = zlab_tensor_specs(cfg)
+    problems = [
+        f"missing tensor {name!r} (expected shape {list(specs[name].shape)})"
+        for name in sorted(set(specs) - set(source.keys()))
+    ]
+    for name in sorted(set(source.keys()) - set(specs)):
+        problems.append(f"unexpected tensor {name!r} in {source.where(name)}")
+    expected = _SAFETENSORS_DTYPE.get(declared_dtype) if declared_dtype is not None else None
+    for name in sorted(set(specs) & set(source.keys())):
+        shape, dtype = source.shape_dtype(name)
+        if shape != specs[name].shape:
+            problems.append(
+                f"tensor {name!r} in {source.where(name)} has shape {list(shape)}, "
+                f"config expects {list(specs[name].shape)}"
+            )
+        if dtype not in FLOAT_DTYPES:
+            problems.append(f"tensor {name!r} in {source.where(name)} has dtype {dtype}, not a float type")
+        elif expected is not None and dtype != expected:
+            problems.append(
+                f"tensor {name!r} in {source.where(name)} has dtype {FLOAT_DTYPES[dtype]}, "
+                f"config declares {declared_dtype}"
+            )
+    return problems
+
+
+def _raise_problems(what: str, problems: list[str]) -> None:
+    if problems:
+        shown = "\n  ".join(problems[:20]) + (f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else "")
+        raise CheckpointError(f"{what} ({len(problems)} problems):\n  {shown}")
+
+
+def load_drafter(
+    model_dir: str | Path, target_cfg: TargetConfig | None = None, *, dtype: str | None = None, mesh=None
+) -> tuple[DrafterConfig, Drafter]:
+    """(config, drafter) from a z-lab drafter directory, checked against `target_cfg` when given.
+
+    dtype: compute/parameter dtype after the strict check (default: the checkpoint's declared dtype).
+    mesh: place each parameter by the sharding rules as it is read.
+    """
+    model_dir = Path(model_dir)
+    raw = _read_config(model_dir)
+    source_name = str(model_dir / "config.json")
+    cfg = DrafterConfig.from_zlab_config(raw, source=source_name)
+    if target_cfg is not None:
+        check_pairing(cfg, target_cfg, source=source_name)
+    declared = _declared_dtype(raw)
+    if declared not in _SAFETENSORS_DTYPE:
+        raise ConfigError(f"{source_name}: torch_dtype={declared!r}; expected one of {sorted(_SAFETENSORS_DTYPE)}")
+    source = SafetensorsSource(model_dir)
+    _raise_problems(f"{model_dir}: checkpoint does not match its config", tensor_problems(source, cfg, declared))
+
+    cfg = cfg if dtype is None else cfg.replace(dtype=dtype)
+    drafter = abstract_drafter(cfg)
+    params = {path: p for path, p in nnx.iter_graph(drafter) if isinstance(p, nnx.Param)}
+    specs = zlab_tensor_specs(cfg)
+    if set(params) != {s.path for s in specs.values()}:  # the module and the name map must never drift apart
+        raise RuntimeError(
+            f"Drafter parameter layout changed: {sorted(set(params) ^ {s.path for s in specs.values()})}"
+        )
+    shardings = None if mesh is None else param_shardings(drafter, mesh)
+    jdtype = jnp.bfloat16 if cfg.dtype == "bfloat16" else jnp.float32
+    for name, spec in specs.items():
+        value = spec.to_param(jnp.asarray(source.get(name))).astype(jdtype)
+        if shardings is not None:
+            value = jax.device_put(value, shardings[spec.path])
+        params[spec.path].set_value(value)
+    return cfg, drafter
+
+
+def export_drafter(drafter: Drafter, cfg: DrafterConfig, out_dir: str | Path, dtype: str = "bfloat16") -> Path:
+    """Write config.json + model.safetensors in z-lab's format, tensors cast to `dtype`."""
+    from safetensors.flax import save_file
+
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"dtype={dtype!r}: export writes 'float32' or 'bfloat16'")
+    if cfg.replace(dtype=drafter.config.dtype) != drafter.config:
+        raise ValueError("cfg describes a different architecture than the drafter being exported")
+    out_cfg = cfg.replace(dtype=dtype)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    params = {path: p for path, p in nnx.iter_graph(drafter) if isinstance(p, nnx.Param)}
+    jdtype = jnp.bfloat16 if dtype == "bfloat16" else jnp.float32
+    tensors = {
+        name: jnp.asarray(spec.to_hf(params[spec.path][...])).astype(jdtype)
+        for name, spec in zlab_tensor_specs(out_cfg).items()
+    }
+    # format=pt: transformers' safetensors loader (z-lab's reference path) expects torch-format metadata.
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(out_cfg.to_zlab_config(), indent=2) + "\n")
+    return out
+
+
+# Keys vLLM / SGLang read from a DFlash draft config (besides dflash_config), with the type each must have.
+_REQUIRED_KEYS = {
+    "hidden_size": int,
+    "intermediate_size": int,
+    "num_hidden_layers": int,
+    "num_attention_heads": int,
+    "num_key_value_heads": int,
+    "head_dim": int,
+    "rms_norm_eps": float,
+    "max_position_embeddings": int,
+    "vocab_size": int,
+    "num_target_layers": int,
+}
+
+
+def check_zlab_schema(model_dir: str | Path) -> list[str]:
+    """Problems a serving engine would hit reading `model_dir` as a DFlash drafter; [] when it is well formed.
+
+    Mirrors what vLLM (`method: dflash`) and SGLang (`DFLASH`) read: architectures / model_type dispatch,
+    dflash_config.{mask_token_id, target_layer_ids}, block_size, the Qwen3 keys, layer types (vLLM refuses mixed
+    sliding/full layers), and the 3 + 11 * L tensors by name, shape and dtype.
+    """
+    model_dir = Path(model_dir)
+    try:
+        raw = _read_config(model_dir)
+    except (CheckpointError, ConfigError) as e:
+        return [str(e)]
+    problems = []
+    if raw.get("architectures") != ["DFlashDraftModel"]:
+        problems.append(f"architectures={raw.get('architectures')!r}, expected ['DFlashDraftModel']")
+    if raw.get("model_type") != "qwen3":
+        problems.append(f"model_type={raw.get('model_type')!r}, expected 'qwen3'")
+    dflash = raw.get("dflash_config")
+    if not isinstance(dflash, dict):
+        problems.append("dflash_config missing or not an object")
+        dflash = {}
+    if not isinstance(dflash.get("mask_token_id"), int):
+        problems.append(f"dflash_config.mask_token_id={dflash.get('mask_token_id')!r}, expected an int")
+    ids = dflash.get("target_layer_ids")
+    if not (isinstance(ids, list) and ids and all(isinstance(i, int) for i in ids)):
+        problems.append(f"dflash_config.target_layer_ids={ids!r}, expected a non-empty list of ints")
+    block = raw.get("block_size", dflash.get("block_size"))
+    if not (isinstance(block, int) and block >= 2):
+        problems.append(f"block_size={block!r}, expected an int >= 2 (top level or in dflash_config)")
+    for key, kind in _REQUIRED_KEYS.items():
+        value = raw.get(key)
+        if not isinstance(value, (int, float) if kind is float else int) or isinstance(value, bool):
+            problems.append(f"{key}={value!r}, expected {kind.__name__}")
+    theta = raw.get("rope_theta", (raw.get("rope_parameters") or {}).get("rope_theta"))
+    if not isinstance(theta, (int, float)):
+        problems.append("rope_theta missing (top level or rope_parameters.rope_theta)")
+    declared = _declared_dtype(raw)
+    if declared not in _SAFETENSORS_DTYPE:
+        problems.append(f"torch_dtype={declared!r}, expected one of {sorted(_SAFETENSORS_DTYPE)}")
+    layer_types = raw.get("layer_types")
+    if layer_types is not None:
+        kinds = set(layer_types)
+        if kinds == {"full_attention", "sliding_attention"}:
+            problems.append("layer_types mixes sliding and full attention, which vLLM's DFlash does not support")
+        if "sliding_attention" in kinds and not (raw.get("use_sliding_window") and raw.get("sliding_window")):
+            problems.append("sliding layers need use_sliding_window=true and an int sliding_window (HF drops it)")
+    if problems:
+        return problems
+    try:
+        cfg = DrafterConfig.from_zlab_config(raw, source=str(model_dir / "config.json"))
+    except ConfigError as e:
+        return [str(e)]
+    try:
+        source = SafetensorsSource(model_dir)
+    except CheckpointError as e:
+        return [str(e)]
+    return tensor_problems(source, cfg, declared)
+
+
+__all__ = [
+    "CheckpointError",
+    "DraftTensor",
+    "check_zlab_schema",
+    "export_drafter",
+    "load_drafter",
+    "tensor_problems",
+    "zlab_tensor_specs",
+]
