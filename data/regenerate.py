@@ -1,0 +1,176 @@
+"""Replace conversations' assistant replies with the target's own greedy replies (DFlash trains on them).
+
+  python -m data.regenerate --target PATH|smollm2 --input FILE.jsonl|sharegpt --output OUT.jsonl \\
+      [--limit N] [--batch-size 8] [--max-new-tokens 256] [--max-prompt-tokens 512]
+
+Each conversation is cut after its first user turn (system turns before it kept) and the first assistant reply
+is regenerated; later turns are dropped. Regenerating a multi-turn conversation turn by turn costs one
+generation per turn, each on a longer prompt; it is left for later. Output lines are
+{id, messages: [...prompt, {role: assistant, content}], finish: "stop" | "length"} ("length": the reply hit
+--max-new-tokens before an end-of-turn token).
+
+Resumable: every line is flushed and fsynced; on restart the ids already in OUT.jsonl are skipped and a cut-off
+last line is dropped. Batches are fixed chunks of the eligible conversations (grouped by prompt-length bucket,
+input order within a bucket, so the file's order is that, not the input's), and a batch that
+was cut mid-way is generated again whole (only its missing lines are written), so a resumed run writes the
+same bytes as an uninterrupted one: the same prompts share a batch and a padded shape either way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+from data.conversations import load_conversations
+from dflash_model.tokenizer import chat_prompt_ids, stop_token_ids
+from infer.plain import PROMPT_BUCKETS, bucket_length, greedy_generate
+
+
+def first_turn_prompt(messages: list[dict]) -> list[dict] | None:
+    """The system turns before the first user turn and that user turn; None without a user turn."""
+    for i, m in enumerate(messages):
+        if m["role"] == "user":
+            return [x for x in messages[:i] if x["role"] == "system"] + [m]
+    return None
+
+
+def read_done(out_path: str | Path) -> list[str]:
+    """Ids already written to `out_path`, in order, after cutting off a partial last line (a crash mid-write).
+
+    A complete line that is not valid JSON is an error naming file:line: it is not a crash artefact.
+    """
+    path = Path(out_path)
+    if not path.exists():
+        return []
+    data = path.read_bytes()
+    end = data.rfind(b"\n") + 1
+    if end < len(data):
+        with path.open("r+b") as f:
+            f.truncate(end)
+            f.flush()
+            os.fsync(f.fileno())
+    ids = []
+    for lineno, line in enumerate(data[:end].decode("utf-8").splitlines(), 1):
+        try:
+            ids.append(json.loads(line)["id"])
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{path}:{lineno}: not a regenerated record ({e})") from e
+    return ids
+
+
+def plan(conversations: list[dict], tok, max_prompt_tokens: int, *, thinking: bool = False):
+    """(eligible [(id, prompt messages, prompt ids)], Counter of skips), grouped by prompt-length bucket.
+
+    Batches pad every prompt to the bucket of their longest one, and prefill dominates the cost on a CPU, so
+    prompts are ordered by bucket (input order within a bucket): a 40-token prompt is not padded to 512 for
+    the sake of one long neighbour. The order depends only on the input, which keeps batches reproducible.
+    """
+    if max_prompt_tokens > PROMPT_BUCKETS[-1]:
+        raise ValueError(f"max_prompt_tokens={max_prompt_tokens} exceeds the largest prompt bucket "
+                         f"{PROMPT_BUCKETS[-1]}")
+    eligible, skipped, seen = [], Counter(), set()
+    for conv in conversations:
+        prompt = first_turn_prompt(conv["messages"])
+        if prompt is None:
+            skipped["no_user_turn"] += 1
+            continue
+        if conv["id"] in seen:
+            skipped["duplicate_id"] += 1  # resume keys on ids, so an id must name one conversation
+            continue
+        ids = chat_prompt_ids(tok, prompt, thinking=thinking)
+        if len(ids) > max_prompt_tokens:
+            skipped["prompt_too_long"] += 1
+            continue
+        seen.add(conv["id"])
+        eligible.append((conv["id"], prompt, ids))
+    eligible.sort(key=lambda e: bucket_length(len(e[2])))  # stable: input order within a bucket
+    return eligible, skipped
+
+
+def regenerate(model, tok, conversations: list[dict], out_path: str | Path, *, batch_size: int = 8,
+               max_new_tokens: int = 256, max_prompt_tokens: int = 512, thinking: bool = False,
+               progress: bool = True) -> dict:
+    """Append the target's greedy first replies to `out_path` (resuming after the ids already there).
+
+    Returns counts: written, already_done, skipped (per reason), new_tokens, seconds (generation only).
+    """
+    from tqdm import tqdm
+
+    eligible, skipped = plan(conversations, tok, max_prompt_tokens, thinking=thinking)
+    done = set(read_done(out_path))
+    stops = tuple(stop_token_ids(tok))
+    stats = {"written": 0, "already_done": sum(e[0] in done for e in eligible), "skipped": dict(skipped),
+             "new_tokens": 0, "seconds": 0.0}
+    bar = tqdm(total=len(eligible), initial=stats["already_done"], unit="conv", disable=not progress,
+               dynamic_ncols=True)
+    with Path(out_path).open("a", encoding="utf-8") as out:
+        for lo in range(0, len(eligible), batch_size):
+            batch = eligible[lo : lo + batch_size]
+            if all(e[0] in done for e in batch):
+                continue
+            # The last, short batch is filled with copies of its last prompt so every batch has one compiled
+            # shape; the copies' replies are thrown away.
+            prompts = [e[2] for e in batch] + [batch[-1][2]] * (batch_size - len(batch))
+            t0 = time.perf_counter()
+            replies = greedy_generate(model, prompts, max_new_tokens, stop_ids=stops,
+                                      pad_id=tok.pad_token_id or 0)
+            stats["seconds"] += time.perf_counter() - t0
+            for (rid, prompt, _), reply in zip(batch, replies):
+                if rid in done:
+                    continue
+                stopped = bool(reply) and reply[-1] in stops
+                text = tok.decode(reply[:-1] if stopped else reply, skip_special_tokens=False)
+                rec = {"id": rid, "messages": [*prompt, {"role": "assistant", "content": text}],
+                       "finish": "stop" if stopped else "length"}
+                out.write(json.dumps(rec, ensure_ascii=False) + "\n")
+                out.flush()
+                os.fsync(out.fileno())
+                stats["written"] += 1
+                stats["new_tokens"] += len(reply)
+                bar.update(1)
+            secs = max(stats["seconds"], 1e-9)
+            bar.set_postfix(tok_s=f"{stats['new_tokens'] / secs:.0f}", conv_s=f"{stats['written'] / secs:.2f}")
+    bar.close()
+    return stats
+
+
+def load(target: str):
+    """(model, tokenizer) of 'smollm2' (the package-shipped SmolLM2-135M GGUF), an HF directory or a .gguf."""
+    from dflash_model.tokenizer import load_tokenizer
+    from dflash_model.weights import load_target
+
+    if target == "smollm2":
+        from data.assets import smollm2_gguf
+
+        target = smollm2_gguf()
+    _, model = load_target(target)
+    return model, load_tokenizer(target)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(prog="python -m data.regenerate", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", required=True, help="HF model directory, .gguf file, or 'smollm2'")
+    ap.add_argument("--input", required=True, help="conversation JSONL, or 'sharegpt' (the packaged ShareGPT V3)")
+    ap.add_argument("--output", required=True, help="JSONL to write (appended to when resuming)")
+    ap.add_argument("--limit", type=int, default=None, help="read at most N input records")
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--max-prompt-tokens", type=int, default=512, help="longer prompts are skipped")
+    args = ap.parse_args(argv)
+    conversations, dropped = load_conversations(args.input, limit=args.limit, require_assistant=False)
+    model, tok = load(args.target)
+    stats = regenerate(model, tok, conversations, args.output, batch_size=args.batch_size,
+                       max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens)
+    stats["dropped_input"] = dict(dropped)
+    print(json.dumps(stats), file=sys.stderr)
+    return stats
+
+
+if __name__ == "__main__":
+    main()
