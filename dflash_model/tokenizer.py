@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 
 # GGUF metadata key (after "tokenizer.") -> the name transformers' GGUF tokenizer converter expects.
@@ -19,14 +21,28 @@ _GGUF_TOKENIZER_KEYS = {
 }
 
 
+def _converted_dir(path: Path) -> Path:
+    """Where the converted tokenizer of a GGUF file is kept: parsing the GGUF takes ~10-20 s per process."""
+    stat = path.stat()
+    root = Path(os.environ.get("DFLASH_CACHE") or Path.home() / ".cache" / "dflash-jax")
+    return root / "tokenizers" / f"{path.stem}-{stat.st_size}-{int(stat.st_mtime)}"
+
+
 def _gguf_tokenizer(path: Path):
-    """transformers' own GGUF -> fast-tokenizer converter, fed from the `gguf` reader.
+    """transformers' own GGUF -> fast-tokenizer converter, fed from the `gguf` reader; cached on disk.
 
     `AutoTokenizer.from_pretrained(gguf_file=...)` would do the same but refuses to run without torch, which
     must never be a runtime dependency here; the conversion itself does not need torch.
     """
     from transformers import PreTrainedTokenizerFast
     from transformers.integrations.ggml import convert_gguf_tokenizer
+
+    cached = _converted_dir(path)
+    if (cached / "done").is_file():
+        meta = json.loads((cached / "meta.json").read_text())
+        tok = PreTrainedTokenizerFast(tokenizer_file=str(cached / "tokenizer.json"), **meta["kwargs"])
+        tok.chat_template = meta["chat_template"]
+        return tok
 
     from dflash_model.weights import GGUFSource
 
@@ -47,6 +63,16 @@ def _gguf_tokenizer(path: Path):
     tok = PreTrainedTokenizerFast(tokenizer_object=backend, **kwargs)
     if meta.get("tokenizer.chat_template"):
         tok.chat_template = meta["tokenizer.chat_template"]
+    try:  # a cache that cannot be written (read-only home) only costs time
+        tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
+        tmp.mkdir(parents=True, exist_ok=True)
+        backend.save(str(tmp / "tokenizer.json"))
+        kwargs = {k: v for k, v in kwargs.items() if isinstance(v, (str, bool, int, type(None)))}
+        (tmp / "meta.json").write_text(json.dumps({"kwargs": kwargs, "chat_template": tok.chat_template}))
+        (tmp / "done").write_text("")
+        tmp.rename(cached)
+    except OSError:
+        pass
     return tok
 
 
