@@ -1,0 +1,182 @@
+"""Trainer on a tiny random target: the loss falls, the target stays bit-identical, resume is exact (in process,
+after a damaged checkpoint, after kill -9), NaN stops the run, and an 8-device mesh gives 1-device numbers.
+
+One 30-step run (checkpoints at 10, 20, 30) is shared; every other test restarts from a copy of its run
+directory, so the compiled step is reused (same Program) and the file costs one compilation in process.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from train.config import load_config
+from train.trainer import Trainer, TrainingDiverged
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _records(run_dir):
+    return [json.loads(ln) for ln in Path(run_dir, "metrics.jsonl").read_text().splitlines()]
+
+
+def _params(model):
+    return {p: np.array(v.get_value()) for p, v in nnx.iter_graph(model) if isinstance(v, nnx.Param)}
+
+
+@pytest.fixture(scope="module")
+def run30(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("run30")
+    # This run's executables go to a persistent cache that the kill -9 test's subprocesses read, so they load
+    # the step instead of compiling it twice more (the cache is off for the rest of the session).
+    from jax._src import compilation_cache
+
+    cache = run_dir.parent / "jax_cache"
+    jax.config.update("jax_compilation_cache_dir", str(cache))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    compilation_cache.reset_cache()
+    try:
+        tr = Trainer(load_config("tiny", [f"run_dir={run_dir}"]))
+        before = _params(tr.target)
+        summary = tr.train()
+    finally:
+        jax.config.update("jax_compilation_cache_dir", None)
+        compilation_cache.reset_cache()
+    return run_dir, tr, before, summary, cache
+
+
+def _copy(run30, tmp_path, keep_steps):
+    src = run30[0]
+    dst = tmp_path / "run"
+    shutil.copytree(src, dst)
+    for d in (dst / "checkpoints").iterdir():
+        if d.name.isdigit() and int(d.name) not in keep_steps:
+            shutil.rmtree(d)
+    return dst
+
+
+def test_loss_falls_and_target_frozen(run30):
+    run_dir, tr, before, summary, _ = run30
+    recs = _records(run_dir)
+    assert [r["step"] for r in recs] == list(range(1, 31))
+    first, last = recs[0]["loss"], np.mean([r["loss"] for r in recs[-5:]])
+    # Seen: 6.67 -> about 5.1 (log 512 = 6.24 at random; the synthetic cycles make blocks predictable).
+    assert first - last > 1.0, (first, last)
+    after = _params(tr.target)
+    assert before.keys() == after.keys()
+    assert all(np.array_equal(before[k], after[k]) for k in before)
+    assert summary["step"] == 30 and summary["tokens_per_s"] > 0
+    assert (run_dir / "export" / "config.json").is_file() and (run_dir / "export" / "model.safetensors").is_file()
+    assert len(recs[0]["acc"]) == 7  # K-1 per-position accuracies
+
+
+def test_resume_is_exact(run30, tmp_path):
+    """A new Trainer restored from step 10 redoes steps 11..30 with bit-identical losses."""
+    run_dir = _copy(run30, tmp_path, keep_steps={10})
+    tr = Trainer(load_config("tiny", [f"run_dir={run_dir}"]))
+    assert tr.restored_step == 10 and [r["step"] for r in _records(run_dir)] == list(range(1, 11))
+    tr.train()
+    assert [r["loss"] for r in _records(run_dir)] == [r["loss"] for r in _records(run30[0])]
+
+
+def test_damaged_latest_checkpoint_falls_back(run30, tmp_path):
+    run_dir = _copy(run30, tmp_path, keep_steps={20, 30})
+    for f in (run_dir / "checkpoints" / "30" / "state").rglob("*"):
+        if f.is_file():
+            f.write_bytes(b"\0garbage")
+    with pytest.warns(UserWarning, match="step 30 .* unreadable.*falling back"):
+        tr = Trainer(load_config("tiny", [f"run_dir={run_dir}"]))
+    assert tr.restored_step == 20
+    tr.train(max_steps=3)
+    assert [r["loss"] for r in _records(run_dir)] == [r["loss"] for r in _records(run30[0])][:23]
+
+
+def test_nan_loss_stops_and_keeps_last_good_checkpoint(run30, tmp_path):
+    run_dir = _copy(run30, tmp_path, keep_steps={10})
+    tr = Trainer(load_config("tiny", [f"run_dir={run_dir}", "debug.nan_at_step=13"]))
+    with pytest.raises(TrainingDiverged, match=r"loss is nan at step 13.*Last good checkpoint: step 10"):
+        tr.train()
+    assert tr.step == 12 and tr.ckpt.latest_step() == 10
+    assert [r["step"] for r in _records(run_dir)] == list(range(1, 13))
+    good = _records(run30[0])[:12]
+    assert [r["loss"] for r in _records(run_dir)] == [r["loss"] for r in good]
+
+
+def test_sharded_mesh_matches_one_device(tmp_path):
+    """data=2 x fsdp=4 (batch over 8 devices, params FSDP-sharded) vs one device: same loss and grads."""
+    small = ["target.arch.num_hidden_layers=2", "drafter.num_layers=1", "drafter.target_layer_ids=[0,1]"]
+    one = Trainer(load_config("tiny", [f"run_dir={tmp_path / 'a'}", *small]), restore=False)
+    eight = Trainer(load_config("tiny", [f"run_dir={tmp_path / 'b'}", "mesh.data=2", "mesh.fsdp=4", *small]),
+                    restore=False)
+    assert eight.mesh.devices.size == 8
+    batch = next(one.iterator)
+    loss1, g1 = one.grads(batch)
+    loss8, g8 = eight.grads(batch)
+    np.testing.assert_allclose(float(loss8), float(loss1), rtol=1e-5, atol=1e-5)
+    flat1, flat8 = jax.tree.leaves(g1), jax.tree.leaves(g8)
+    assert len(flat1) == len(flat8)
+    for a, b in zip(flat1, flat8):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-5)
+
+
+def test_sigterm_checkpoints_and_stops(run30, tmp_path, monkeypatch):
+    """SIGTERM (preemption) mid-run: the step in flight finishes, is checkpointed, and train() returns."""
+    import train.trainer as trainer_mod
+
+    run_dir = _copy(run30, tmp_path, keep_steps={10})
+    tr = Trainer(load_config("tiny", [f"run_dir={run_dir}", "debug.sleep_per_step=0.01"]))
+    monkeypatch.setattr(trainer_mod, "_pause", lambda _s: os.kill(os.getpid(), signal.SIGTERM))
+    summary = tr.train()
+    assert summary["stopped_by"] == "SIGTERM" and summary["step"] == 11
+    assert tr.ckpt.latest_step() == 11 and "export" not in summary
+    assert signal.getsignal(signal.SIGTERM) is not None  # the previous handler is back
+
+
+@pytest.mark.slow
+def test_kill9_then_restart_reproduces_losses(run30, tmp_path):
+    """train/run.py killed with SIGKILL after its step-10 checkpoint, then restarted, logs the losses of the
+    uninterrupted in-process run bit for bit (same program on device 0 of 8 fake CPU devices)."""
+    run_dir = tmp_path / "killed"
+    # The in-process run's compile cache (see run30): both processes load the step instead of compiling it.
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "8",
+           "JAX_COMPILATION_CACHE_DIR": str(run30[4]), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    cmd = [sys.executable, str(REPO / "train" / "run.py"), "--config", "tiny", f"run_dir={run_dir}"]
+    proc = subprocess.Popen(cmd + ["debug.sleep_per_step=0.5"], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + 150
+    while not (run_dir / "checkpoints" / "10").is_dir():
+        assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+        assert time.time() < deadline, "no checkpoint within 150 s"
+        time.sleep(0.2)
+    time.sleep(1.0)  # let it run past the checkpoint, so the restart has steps to redo
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert len(_records(run_dir)) < 30
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "resumed from step" in done.stderr or "resuming from step" in done.stderr
+    assert [r["loss"] for r in _records(run_dir)] == [r["loss"] for r in _records(run30[0])]
+
+
+@pytest.mark.slow
+def test_offline_features_match_online(run30, tmp_path):
+    """Features precomputed once to the cache and read back by record index train like the online path."""
+    run_dir = tmp_path / "offline"
+    tr = Trainer(load_config("tiny", [f"run_dir={run_dir}", "features.mode=offline"]), restore=False)
+    cache = np.load(run_dir / "features" / "features.npy", mmap_mode="r")
+    assert cache.shape == (512, 64, 2 * 64) and json.loads((run_dir / "features" / "meta.json").read_text())
+    tr.train(max_steps=3)
+    online = [r["loss"] for r in _records(run30[0])[:3]]
+    np.testing.assert_allclose([r["loss"] for r in _records(run_dir)], online, rtol=1e-5)
+    stamp = (run_dir / "features" / "meta.json").stat().st_mtime_ns
+    Trainer(load_config("tiny", [f"run_dir={run_dir}", "features.mode=offline"]), restore=False)
+    assert (run_dir / "features" / "meta.json").stat().st_mtime_ns == stamp  # a complete cache is reused

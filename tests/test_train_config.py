@@ -1,0 +1,47 @@
+"""Training config: presets load, unknown keys are rejected by name, overrides are typed, --block sets K."""
+
+import pytest
+
+from train.config import ConfigKeyError, cli_overrides, load_config, parse_value
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m", "qwen3-4b", "qwen3-8b", "llama-3.1-8b", "tiny"])
+def test_presets_load(name):
+    cfg = load_config(name)
+    assert cfg.train.lr > 0 and cfg.block_size >= 2
+    assert cfg.checkpoint.max_to_keep >= 2
+
+
+def test_smollm2_default_is_k64():
+    cfg = load_config("smollm2-135m")
+    assert cfg.block_size == 64 and cfg.target.path == "asset:smollm2" and cfg.gamma is None
+
+
+def test_unknown_key_rejected_with_name_and_suggestion():
+    with pytest.raises(ConfigKeyError, match=r"'train\.lrr'.*did you mean train\.lr"):
+        load_config("tiny", ["train.lrr=1e-3"])
+    with pytest.raises(ConfigKeyError, match="'blok_size'.*block_size"):
+        load_config("tiny", ["blok_size=8"])
+
+
+def test_override_typing():
+    assert parse_value("6e-4") == 6e-4 and isinstance(parse_value("6e-4"), float)
+    assert parse_value("3") == 3 and isinstance(parse_value("3"), int)
+    assert parse_value("true") is True and parse_value("null") is None and parse_value("[0, 2]") == [0, 2]
+    assert parse_value("runs/x") == "runs/x"
+    cfg = load_config("tiny", ["train.lr=1e-3", "drafter.target_layer_ids=[1,3]", "gamma=null", "seed=7"])
+    assert cfg.train.lr == 1e-3 and cfg.drafter.target_layer_ids == [1, 3] and cfg.seed == 7
+    assert cfg.train.batch_size == 8  # siblings of an overridden key keep their preset values
+
+
+def test_block_shortcut():
+    name, ov = cli_overrides(["--config", "tiny", "--block", "64", "train.steps=5"])
+    cfg = load_config(name, ov)
+    assert name == "tiny" and cfg.block_size == 64 and cfg.train.steps == 5
+    with pytest.raises(ValueError, match="unknown flag"):
+        cli_overrides(["--blocks", "4"])
+
+
+def test_free_form_arch_dict_accepts_target_fields():
+    cfg = load_config("tiny", ["target.arch.num_hidden_layers=3"])
+    assert cfg.target.arch["num_hidden_layers"] == 3 and cfg.target.arch["vocab_size"] == 512

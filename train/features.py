@@ -1,0 +1,86 @@
+"""Offline target features: one target forward per training record, stored once, read back by record index.
+
+Layout of `cache_dir`: features.npy, a [N, T, F] memory-mapped array (F = len(layer_ids) * D; bf16 targets are
+stored as their raw uint16 bits, numpy has no bf16), and meta.json, written last: a cache without meta.json
+(a killed precompute) or with a meta.json describing another target / layer set / length is rebuilt.
+Rows are the *unshuffled* record order; the grain pipeline's batches carry each row's `index`, so shuffling,
+epochs and exact resume are untouched and only the feature lookup differs from the online path.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dflash_model.target import forward
+
+log = logging.getLogger("dflash.train")
+
+
+def _meta(trainer, num_records: int) -> dict:
+    cfg = trainer.cfg
+    return {
+        "target": str(cfg.target.path or cfg.target.preset), "target_arch": dict(cfg.target.arch),
+        "dtype": trainer.target_cfg.dtype, "layer_ids": list(trainer.drafter_cfg.target_layer_ids),
+        "max_len": int(cfg.train.max_len), "num_records": num_records, "data": str(cfg.data.source),
+        "seed": int(cfg.seed), "hidden_size": trainer.target_cfg.hidden_size,
+    }
+
+
+def open_or_build(trainer, records, chunk: int = 8) -> np.ndarray:
+    """The [N, T, F] float32 view of the cache for `records` (a sequence of dicts with input_ids), building it
+    first when missing or stale. Process 0 writes; the others are expected to share the file system."""
+    cfg = trainer.cfg
+    root = Path(cfg.features.cache_dir) if cfg.features.cache_dir else trainer.run_dir / "features"
+    want = _meta(trainer, len(records))
+    meta_path, data_path = root / "meta.json", root / "features.npy"
+    if not (meta_path.is_file() and json.loads(meta_path.read_text()) == want):
+        if jax.process_index() == 0:
+            _build(trainer, records, root, want, chunk)
+    return _Reader(np.load(data_path, mmap_mode="r"), want["dtype"])
+
+
+def _build(trainer, records, root: Path, meta: dict, chunk: int) -> None:
+    if root.exists():
+        shutil.rmtree(root)
+    root.mkdir(parents=True)
+    t, n = meta["max_len"], meta["num_records"]
+    f = len(meta["layer_ids"]) * meta["hidden_size"]
+    bf16 = meta["dtype"] == "bfloat16"
+    out = np.lib.format.open_memmap(root / "features.npy", mode="w+", dtype=np.uint16 if bf16 else np.float32,
+                                    shape=(n, t, f))
+    t_graph, layer_ids = trainer.t_graph, tuple(meta["layer_ids"])
+    fn = jax.jit(lambda s, ids: forward(nnx.merge(t_graph, s), ids, layer_ids=layer_ids,
+                                        compute_logits=False).features)
+    log.info("precomputing target features for %d records into %s (%.1f GB)", n, root, out.nbytes / 1e9)
+    for lo in range(0, n, chunk):
+        rows = [records[i] for i in range(lo, min(lo + chunk, n))]
+        ids = np.zeros((chunk, t), np.int32)  # a fixed chunk shape: one compilation
+        for j, r in enumerate(rows):
+            x = np.asarray(r["input_ids"])[:t]
+            ids[j, : x.size] = x
+        feats = np.asarray(fn(trainer.t_state, jnp.asarray(ids)))[: len(rows)]
+        out[lo: lo + len(rows)] = feats.view(np.uint16) if bf16 else feats
+    out.flush()
+    del out
+    (root / "meta.json").write_text(json.dumps(meta, indent=1))
+
+
+class _Reader:
+    """Row lookup by record index, decoding bf16 bits back to float32 on the host."""
+
+    def __init__(self, arr: np.ndarray, dtype: str):
+        self.arr, self.bf16 = arr, dtype == "bfloat16"
+
+    def __getitem__(self, index) -> np.ndarray:
+        rows = np.asarray(self.arr[np.asarray(index)])
+        if self.bf16:
+            return (rows.astype(np.uint32) << 16).view(np.float32)
+        return rows

@@ -1,0 +1,475 @@
+"""The DFlash trainer: a pure jitted step over explicit state, a frozen target passed as a jit argument, and Orbax
+checkpoints (drafter params + optimizer state + step + grain iterator state) that resume bit for bit.
+
+State flow per step: state = {params (drafter nnx.State), opt (optax), step} is donated to `step_fn` and returned
+updated; the target's state is a separate, never-donated argument wrapped in stop_gradient, so it is neither a
+compile-time constant (jit would bake billions of weights into the executable) nor differentiated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import math
+import signal
+import threading
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from dflash_model import sharding as shd
+from dflash_model.drafter import build_drafter, check_pairing, drafter_config_for, drafter_preset
+from dflash_model.target import config_of, forward
+from train.config import Config
+from train.data import build_train_dataset
+from train.objective import default_gamma, dflash_loss
+
+log = logging.getLogger("dflash.train")
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss became NaN/inf; the run stopped without saving the bad state."""
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Building blocks (each callable alone from tests).
+
+
+def load_target_model(cfg, mesh=None):
+    """(target module, tokenizer path or None) for cfg.target: real weights from a path, or a random preset."""
+    from dflash_model.config import preset
+    from dflash_model.target import build_target, randomize
+
+    t = cfg.target
+    if t.path is not None:
+        from dflash_model.weights import load_target
+
+        path = t.path
+        if isinstance(path, str) and path.startswith("asset:"):
+            from data import assets
+
+            path = assets.path(path.split(":", 1)[1])
+        _, model = load_target(path, dtype=t.dtype, mesh=mesh)  # sharded as it loads: no single-device copy
+        return model, Path(path)
+    tcfg = preset(t.preset).replace(**dict(t.arch), dtype=t.dtype)
+    # Random targets are for shapes, throughput and tests. Built abstract (Tunix's initialisers would compile a
+    # few dozen jitted functions only to be overwritten), then filled by randomize(), which also avoids the
+    # all-zero MLPs Tunix starts from.
+    model = nnx.eval_shape(lambda: build_target(tcfg, seed=int(cfg.seed)))
+    return randomize(model, seed=int(cfg.seed), std=0.08), None
+
+
+def drafter_config(cfg, target_cfg):
+    """The drafter architecture for cfg (preset or shaped like the target), at cfg.block_size, fp32 master weights."""
+    d = cfg.drafter
+    if d.preset is not None:
+        dcfg = drafter_preset(d.preset)
+    else:
+        if d.mask_token_id is None:
+            raise ValueError("drafter.mask_token_id is required when drafter.preset is null")
+        ids = tuple(d.target_layer_ids) if d.target_layer_ids is not None else None
+        dcfg = drafter_config_for(target_cfg, mask_token_id=int(d.mask_token_id), num_layers=int(d.num_layers),
+                                  n_features=int(d.n_features), intermediate_size=d.intermediate_size,
+                                  target_layer_ids=ids)
+    # AdamW on bf16 weights loses small updates; the drafter trains in fp32 and is cast at export.
+    dcfg = dcfg.replace(block_size=int(cfg.block_size), dtype="float32")
+    check_pairing(dcfg, target_cfg, source=f"drafter ({d.preset or 'from config'})")
+    return dcfg
+
+
+def make_optimizer(t, total_steps: int):
+    """(AdamW + warmup-cosine + global-norm clipping, the schedule) from cfg.train's keys. Norm scales and other
+    1-D params do not decay."""
+    t = Config(t)
+    warmup = int(round(float(t.warmup_ratio) * total_steps))
+    if t.schedule == "cosine":
+        sched = optax.warmup_cosine_decay_schedule(0.0, float(t.lr), max(warmup, 1) if warmup else 0,
+                                                   max(total_steps, warmup + 1), float(t.lr) * float(t.final_lr_ratio))
+    else:
+        sched = optax.join_schedules([optax.linear_schedule(0.0, float(t.lr), max(warmup, 1)),
+                                      optax.constant_schedule(float(t.lr))], [warmup])
+    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
+    tx = optax.chain(
+        optax.clip_by_global_norm(float(t.grad_clip)),
+        optax.adamw(sched, b1=float(t.b1), b2=float(t.b2), weight_decay=float(t.weight_decay), mask=decay_mask),
+    )
+    return tx, sched
+
+
+def resolve_mesh(cfg, devices=None):
+    devices = list(jax.devices() if devices is None else devices)
+    m = {k: int(cfg.mesh[k]) for k in ("data", "fsdp", "tensor")}
+    free = [k for k, v in m.items() if v == -1]
+    if len(free) > 1:
+        raise ValueError(f"mesh {m}: at most one axis may be -1")
+    fixed = math.prod(v for v in m.values() if v != -1)
+    if free:
+        m[free[0]] = len(devices) // fixed
+    n = math.prod(m.values())
+    if n > len(devices):
+        raise ValueError(f"mesh {m} needs {n} devices; {len(devices)} available")
+    return shd.make_mesh(m["data"], m["fsdp"], m["tensor"], devices=devices[:n])
+
+
+def _pause(seconds: float) -> None:
+    time.sleep(seconds)  # a module function so a test can stand in for it (e.g. send SIGTERM mid-run)
+
+
+def _tree_where(ok, new, old):
+    return jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
+
+
+BATCH_KEYS = ("input_ids", "loss_mask", "lengths", "anchors", "features")
+
+# Optimizer keys of cfg.train that the compiled step depends on.
+OPT_KEYS = ("lr", "warmup_ratio", "schedule", "final_lr_ratio", "weight_decay", "b1", "b2", "grad_clip")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Program:
+    """Everything static about a training step, hashable: Trainers built from the same config share one
+    compiled step (a restart inside a process, tests) instead of compiling their own closure."""
+
+    d_graph: Any
+    t_graph: Any
+    block_size: int
+    gamma: float
+    ce_chunk: int
+    layer_ids: tuple
+    opt: tuple
+    total_steps: int
+    mesh_key: tuple  # the sharding constraint below is only valid on the mesh it was made for
+    state_shardings: Any = dataclasses.field(compare=False, hash=False)
+
+    def _key(self):
+        # Tunix's graph holds its unhashable ModelConfig; the graphs' reprs identify the structure instead.
+        if "_k" not in self.__dict__:
+            graphs = (repr(self.d_graph), repr(self.t_graph))
+            rest = tuple(getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in
+                         ("d_graph", "t_graph", "state_shardings"))
+            object.__setattr__(self, "_k", (graphs, rest))
+        return self.__dict__["_k"]
+
+    def __hash__(self):
+        return hash(self._key())
+
+    def __eq__(self, other):
+        return isinstance(other, Program) and self._key() == other._key()
+
+    def optimizer(self):
+        return make_optimizer(dict(self.opt), self.total_steps)
+
+
+def _loss(prog: Program, params, t_state, batch, step, nan_at):
+    target = nnx.merge(prog.t_graph, jax.lax.stop_gradient(t_state))
+    drafter = nnx.merge(prog.d_graph, params)
+    if "features" in batch:
+        features = batch["features"]
+    else:
+        features = forward(target, batch["input_ids"], layer_ids=prog.layer_ids, compute_logits=False).features
+    loss, metrics = dflash_loss(drafter, target, jax.lax.stop_gradient(features), batch["input_ids"],
+                                batch["loss_mask"], batch["anchors"], block_size=prog.block_size, gamma=prog.gamma,
+                                ce_chunk=prog.ce_chunk)
+    # debug.nan_at_step as a runtime value (-1 = off), so the knob does not change the compiled program.
+    loss = jnp.where(step + 1 == nan_at, jnp.nan, loss)
+    return loss, {**metrics, "loss": loss}
+
+
+@functools.partial(jax.jit, static_argnames=("prog",), donate_argnums=(0,))
+def train_step(state, t_state, batch, nan_at, *, prog: Program):
+    tx, schedule = prog.optimizer()
+    grad_fn = jax.value_and_grad(_loss, argnums=1, has_aux=True)
+    (loss, metrics), grads = grad_fn(prog, state["params"], t_state, batch, state["step"], nan_at)
+    updates, opt = tx.update(grads, state["opt"], state["params"])
+    params = optax.apply_updates(state["params"], updates)
+    # A non-finite step changes nothing: the host stops the run and both the in-memory state and the
+    # checkpoints stay the last good ones.
+    ok = jnp.isfinite(loss)
+    new = {"params": _tree_where(ok, params, state["params"]), "opt": _tree_where(ok, opt, state["opt"]),
+           "step": state["step"] + ok.astype(jnp.int32)}
+    # Outputs pinned to the input layout: the next call sees identical avals and does not recompile.
+    new = jax.lax.with_sharding_constraint(new, prog.state_shardings)
+    metrics = {**metrics, "grad_norm": optax.global_norm(grads), "lr": schedule(state["step"])}
+    return new, metrics
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The trainer.
+
+
+class Trainer:
+    """Build everything from a Config, restore the newest readable checkpoint, then `train()`."""
+
+    def __init__(self, cfg, *, devices=None, target=None, restore: bool = True):
+        self.cfg = cfg
+        self.run_dir = Path(cfg.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.mesh = resolve_mesh(cfg, devices)
+        n_batch = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+        if int(cfg.train.batch_size) % n_batch:
+            raise ValueError(f"train.batch_size={cfg.train.batch_size} is not divisible by data x fsdp = {n_batch}")
+
+        self.target, self.tokenizer_path = (target, None) if target is not None else load_target_model(cfg, self.mesh)
+        self.target_cfg = config_of(self.target)
+        self.drafter_cfg = drafter_config(cfg, self.target_cfg)
+        self.block_size = int(cfg.block_size)
+        self.gamma = float(cfg.gamma) if cfg.gamma is not None else default_gamma(self.block_size)
+
+        shd.shard_model(self.target, self.mesh)
+        drafter = shd.shard_model(build_drafter(self.drafter_cfg, seed=int(cfg.seed)), self.mesh)
+        self.d_graph, params = nnx.split(drafter)
+        self.t_graph, self.t_state = nnx.split(self.target)
+
+        tokenizer = None
+        if cfg.data.source != "synthetic":
+            from dflash_model.tokenizer import load_tokenizer
+
+            tokenizer = load_tokenizer(cfg.data.tokenizer or self.tokenizer_path)
+        self.dataset, self.batches_per_epoch, records = build_train_dataset(
+            cfg, vocab_size=self.target_cfg.vocab_size, mask_token_id=self.drafter_cfg.mask_token_id,
+            tokenizer=tokenizer)
+        self.features = None
+        if cfg.features.mode == "offline":
+            from train.features import open_or_build
+
+            self.features = open_or_build(self, records, chunk=int(cfg.train.batch_size) // jax.process_count())
+        epoch_steps = self.batches_per_epoch * int(cfg.train.epochs)
+        self.total_steps = int(cfg.train.steps) if cfg.train.steps is not None else epoch_steps
+        if self.total_steps > epoch_steps:
+            raise ValueError(f"train.steps={self.total_steps} exceeds the {epoch_steps} batches of "
+                             f"train.epochs={cfg.train.epochs}; raise epochs or data.num_records")
+        self.tx, self.schedule = make_optimizer(cfg.train, self.total_steps)
+        # tx.init may hand back one buffer for several equal leaves (the step counts); donation needs them distinct.
+        opt = jax.tree.map(lambda x: jnp.array(x, copy=True), jax.jit(self.tx.init)(params))
+        self.state = self._place({"params": params, "opt": opt, "step": jnp.zeros((), jnp.int32)})
+        self.iterator = iter(self.dataset)
+        self._stop_signal = None
+
+        ck = cfg.checkpoint
+        self.ckpt_dir = Path(ck.dir) if ck.dir is not None else self.run_dir / "checkpoints"
+        self.ckpt = ocp.CheckpointManager(
+            self.ckpt_dir.resolve(), item_names=("state", "data", "meta"),
+            options=ocp.CheckpointManagerOptions(
+                max_to_keep=ck.max_to_keep, enable_async_checkpointing=bool(ck["async"]), create=True),
+        )
+        self.restored_step = self.restore() if restore else None
+        self.metrics_path = self.run_dir / "metrics.jsonl"
+        self._trim_metrics(self.step)
+
+    # -- state ---------------------------------------------------------------------------------------------
+
+    def _place(self, tree):
+        """Commit every leaf to the mesh (parameters keep their sharding, the rest is replicated)."""
+        rep = NamedSharding(self.mesh, PartitionSpec())
+
+        def put(x):
+            sh = x.sharding
+            keep = isinstance(sh, NamedSharding) and sh.mesh == self.mesh
+            return jax.device_put(x, sh if keep else rep)
+
+        return jax.tree.map(put, tree)
+
+    @property
+    def step(self) -> int:
+        return int(self.state["step"])
+
+    def drafter(self):
+        return nnx.merge(self.d_graph, self.state["params"])
+
+    def restore(self) -> int | None:
+        """Load the newest checkpoint that reads back whole; warn and fall back past damaged ones."""
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, self.state)
+        for step in sorted(self.ckpt.all_steps(), reverse=True):
+            try:
+                got = self.ckpt.restore(step, args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore(),
+                    meta=ocp.args.JsonRestore()))
+                if int(got.state["step"]) != step:
+                    raise ValueError(f"holds step {int(got.state['step'])}")
+            except Exception as e:  # noqa: BLE001 - any unreadable checkpoint means: try the previous one
+                msg = f"checkpoint step {step} in {self.ckpt_dir} is unreadable ({type(e).__name__}: {e}); " \
+                      "falling back to the previous checkpoint"
+                warnings.warn(msg, stacklevel=2)
+                log.warning(msg)
+                continue
+            self.state = self._place(got.state)
+            self.iterator.set_state(got.data)
+            log.info("resumed from step %d (%s)", step, self.ckpt_dir)
+            return step
+        return None
+
+    def save(self, force: bool = False) -> None:
+        step = self.step
+        if step in self.ckpt.all_steps():
+            return
+        meta = {"step": step, "block_size": self.block_size, "gamma": self.gamma, "time": time.time()}
+        self.ckpt.save(step, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(self.state), data=ocp.args.JsonSave(self.iterator.get_state()),
+            meta=ocp.args.JsonSave(meta)), force=force)
+
+    def _trim_metrics(self, step: int) -> None:
+        """Drop log lines of steps past the restored state (a killed run logged them; they will be redone)."""
+        if not self.metrics_path.exists() or jax.process_index() != 0:
+            return
+        keep = [ln for ln in self.metrics_path.read_text().splitlines() if ln and json.loads(ln)["step"] <= step]
+        self.metrics_path.write_text("".join(ln + "\n" for ln in keep))
+
+    # -- the step ------------------------------------------------------------------------------------------
+
+    def program(self) -> Program:
+        t = self.cfg.train
+        return Program(
+            d_graph=self.d_graph, t_graph=self.t_graph, block_size=self.block_size, gamma=self.gamma,
+            ce_chunk=int(self.cfg.ce_chunk), layer_ids=tuple(self.drafter_cfg.target_layer_ids),
+            opt=tuple((k, t[k]) for k in OPT_KEYS), total_steps=self.total_steps,
+            mesh_key=(tuple(self.mesh.shape.items()), tuple(d.id for d in self.mesh.devices.flat)),
+            state_shardings=jax.tree.map(lambda x: x.sharding, self.state),
+        )
+
+    def loss_fn(self, params, t_state, batch, nan_at=-1):
+        return _loss(self.program(), params, t_state, batch, jnp.zeros((), jnp.int32), nan_at)
+
+    def put_batch(self, batch: dict) -> dict:
+        """Host numpy batch (this process's rows) -> global arrays sharded over (data, fsdp)."""
+        out = {}
+        for k, v in batch.items():
+            if k not in BATCH_KEYS:  # e.g. the pipeline's record index: not an input of the step
+                continue
+            v = np.asarray(v)
+            out[k] = jax.make_array_from_process_local_data(shd.batch_sharding(self.mesh, v.ndim), v)
+        return out
+
+    def grads(self, batch: dict):
+        """(loss, grads) at the current params on a host batch: for sharding-equivalence checks."""
+        prog = self.program()
+        fn = jax.jit(jax.value_and_grad(lambda p, t, b: _loss(prog, p, t, b, jnp.zeros((), jnp.int32), -1)[0]))
+        return fn(self.state["params"], self.t_state, self.put_batch(batch))
+
+    # -- the loop ------------------------------------------------------------------------------------------
+
+    def _install_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+
+        def handler(signum, _frame):
+            self._stop_signal = signum
+
+        return {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    def train(self, max_steps: int | None = None) -> dict:
+        """Run to train.steps (or `max_steps` more steps); checkpoint every checkpoint.every_steps, on SIGTERM/
+        SIGINT and at the end. Returns a summary with throughput."""
+        cfg = self.cfg
+        end = self.total_steps if max_steps is None else min(self.total_steps, self.step + max_steps)
+        prog = self.program()
+        nan_at = jnp.asarray(-1 if cfg.debug.nan_at_step is None else int(cfg.debug.nan_at_step), jnp.int32)
+        old_handlers = self._install_signals()
+        tb = self._tensorboard()
+        every = int(cfg.checkpoint.every_steps)
+        timed, t_tokens, t_anchors, t_time, first_time = 0, 0, 0, 0.0, None
+        stopped = None
+        try:
+            while self.step < end:
+                host = next(self.iterator)
+                if self.features is not None:
+                    host = {**host, "features": self.features[host["index"]]}
+                batch = self.put_batch(host)
+                t0 = time.perf_counter()
+                self.state, metrics = train_step(self.state, self.t_state, batch, nan_at, prog=prog)
+                metrics = jax.device_get(metrics)  # one host sync per step: the NaN stop and the log need it
+                dt = time.perf_counter() - t0
+                step = int(self.state["step"])
+                loss = float(metrics["loss"])
+                if not math.isfinite(loss):
+                    self.ckpt.wait_until_finished()
+                    last = self.ckpt.latest_step()
+                    raise TrainingDiverged(
+                        f"loss is {loss} at step {step + 1}; stopped without saving that step. Last good "
+                        f"checkpoint: step {last} in {self.ckpt_dir}" if last is not None else
+                        f"loss is {loss} at step {step + 1}; stopped; no checkpoint had been written yet")
+                tokens, anchors = int(np.sum(host["lengths"])), int(np.sum(np.asarray(host["anchors"]) >= 0))
+                if first_time is None:
+                    first_time = dt  # includes compilation
+                else:
+                    timed, t_tokens, t_anchors, t_time = timed + 1, t_tokens + tokens, t_anchors + anchors, t_time + dt
+                rec = {"step": step, "loss": loss, "sim_tau": float(metrics["sim_tau"]),
+                       "grad_norm": float(metrics["grad_norm"]), "lr": float(metrics["lr"]),
+                       "valid_labels": int(metrics["valid_labels"]), "tokens_per_s": tokens / dt,
+                       "anchors_per_s": anchors / dt, "step_s": dt, "acc": [float(a) for a in metrics["acc"]]}
+                self._log(rec, tb)
+                if step % every == 0 or step == end:
+                    self.save()
+                if float(cfg.debug.sleep_per_step):
+                    _pause(float(cfg.debug.sleep_per_step))
+                if self._stop_signal is not None:
+                    stopped = signal.Signals(self._stop_signal).name
+                    log.warning("%s received: checkpointing step %d and stopping", stopped, step)
+                    self.save(force=True)
+                    break
+        finally:
+            self.ckpt.wait_until_finished()
+            for s, h in old_handlers.items():
+                signal.signal(s, h)
+            if tb is not None:
+                tb.close()
+        summary = {"step": self.step, "stopped_by": stopped, "compile_step_s": first_time,
+                   "tokens_per_s": t_tokens / t_time if t_time else None,
+                   "anchors_per_s": t_anchors / t_time if t_time else None,
+                   "step_s": t_time / timed if timed else None}
+        if self.step >= self.total_steps and stopped is None and bool(cfg.export.enabled) and jax.process_index() == 0:
+            summary["export"] = str(self.export())
+        return summary
+
+    def export(self) -> Path:
+        from dflash_model.drafter_weights import export_drafter
+
+        drafter = self.drafter()
+        return export_drafter(drafter, drafter.config, self.run_dir / "export", dtype=self.cfg.export.dtype)
+
+    def _tensorboard(self):
+        if not bool(self.cfg.log.tensorboard) or jax.process_index() != 0:
+            return None
+        try:
+            from tensorboardX import SummaryWriter
+        except ImportError:
+            return None
+        return SummaryWriter(str(self.run_dir / "tb"))
+
+    def _log(self, rec: dict, tb) -> None:
+        if jax.process_index() != 0:
+            return
+        with self.metrics_path.open("a") as f:
+            f.write(json.dumps(rec) + "\n")
+        if tb is not None:
+            for k in ("loss", "sim_tau", "grad_norm", "lr", "tokens_per_s", "anchors_per_s"):
+                tb.add_scalar(f"train/{k}", rec[k], rec["step"])
+        s = rec["step"]
+        if s % int(self.cfg.log.every) == 0 or s == 1 or s == self.total_steps:
+            acc = rec["acc"]
+            log.info("step %d/%d  loss %.4f  sim_tau %.3f  acc[1] %.3f acc[K-1] %.3f  |g| %.3f  lr %.2e  "
+                     "%.0f tok/s  %.0f anchors/s  %.3fs/step  eta %.1f min", s, self.total_steps, rec["loss"],
+                     rec["sim_tau"], acc[0], acc[-1], rec["grad_norm"], rec["lr"], rec["tokens_per_s"],
+                     rec["anchors_per_s"], rec["step_s"], rec["step_s"] * (self.total_steps - s) / 60)
+
+    def time_target_forward(self, host_batch: dict, repeats: int = 3) -> float:
+        """Seconds of the target forward alone on one batch (for the share of step time it takes)."""
+        fn = jax.jit(lambda t, ids: forward(nnx.merge(self.t_graph, t), ids,
+                                            layer_ids=self.drafter_cfg.target_layer_ids,
+                                            compute_logits=False).features)
+        ids = self.put_batch({"x": host_batch["input_ids"]})["x"]
+        fn(self.t_state, ids).block_until_ready()
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            fn(self.t_state, ids).block_until_ready()
+        return (time.perf_counter() - t0) / repeats
