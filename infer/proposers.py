@@ -6,8 +6,8 @@ explicit arguments; its parameters (if any) travel separately as a pytree `param
   layer_ids                              target layers whose outputs `observe` receives (() = none needed)
   init(params, batch, capacity)          -> state (a pytree; () when stateless)
   observe(params, state, feats_BTF, num_new_B) -> state
-      feats_BTF: target layer outputs at positions state_len[b] + 0..T-1, only the first num_new_B[b] are
-      committed (the engine never shows a proposer features of rejected tokens)
+      feats_BTF: target layer outputs at positions state_len[b] + 0..T-1; only the first num_new_B[b] are
+      committed tokens (the rest are rejected drafts: write them past the length or drop them, never count them)
   propose(params, target, state, history_BC, n_B, k) -> [B, k-1] int32
       history_BC[b, :n_B[b]] is the committed sequence; the block to fill is
       [history[b, n_B[b]-1], d_1 .. d_{k-1}] at positions n_B[b]-1 .. n_B[b]+k-2.

@@ -38,6 +38,7 @@ class DecodeState:
     prompt_len: jax.Array  # [B]
     n: jax.Array  # [B] committed tokens (prompt + generated)
     done: jax.Array  # [B] bool: stop token committed or max_new_tokens reached
+    stop_ids: jax.Array  # [S] ids that end a row, padded with -1 (data, not static: one compile for any set)
     cache: KVCache  # target K/V of positions < n - 1
     draft: Any  # proposer state (DFlash: its context cache, also of positions < n - 1)
     key: jax.Array  # sampling key (unused at temperature 0)
@@ -62,12 +63,11 @@ def _pick(logits_BxV, temperature: float, key):
     return jax.random.categorical(key, logits_BxV / temperature, axis=-1).astype(jnp.int32)
 
 
-def _is_stop(tokens, stop_ids):
-    stop = jnp.asarray(stop_ids if stop_ids else [-1], jnp.int32)
-    return jnp.any(tokens[..., None] == stop, axis=-1)
+def _is_stop(tokens, stop_S):
+    return jnp.any(tokens[..., None] == stop_S, axis=-1)
 
 
-def _round(target, proposer, params, st: DecodeState, *, k, temperature, stop_ids, max_new) -> DecodeState:
+def _round(target, proposer, params, st: DecodeState, *, k, temperature, max_new) -> DecodeState:
     """One draft -> verify -> accept -> commit round for every row (finished rows run along, change nothing)."""
     b = st.n.shape[0]
     start = st.n - 1
@@ -85,7 +85,7 @@ def _round(target, proposer, params, st: DecodeState, *, k, temperature, stop_id
     # Commit target_tok[:, :a+1]: the first a equal the accepted drafts, target_tok[:, a] is the bonus (the
     # target's own token at the first mismatch, or after all K-1 drafts). Cut after a committed stop token.
     j = jnp.arange(k)
-    stop_hit = _is_stop(target_tok, stop_ids) & (j[None, :] <= a[:, None])
+    stop_hit = _is_stop(target_tok, st.stop_ids) & (j[None, :] <= a[:, None])
     first_stop = jnp.min(jnp.where(stop_hit, j[None, :], k), axis=1)
     # Also cut at max_new: it keeps n <= P + max_new, so the K-wide writes below stay inside the capacity.
     room = max_new - (st.n - st.prompt_len)
@@ -106,7 +106,7 @@ def _round(target, proposer, params, st: DecodeState, *, k, temperature, stop_id
     )
 
 
-def _prefill_impl(target, proposer, params, ids_BP, lengths_B, key, *, k, temperature, stop_ids, max_new):
+def _prefill_impl(target, proposer, params, ids_BP, lengths_B, key, stop_S, *, k, temperature, max_new):
     TRACES["prefill"] += 1
     b, p = ids_BP.shape
     capacity = p + max_new + k
@@ -119,23 +119,23 @@ def _prefill_impl(target, proposer, params, ids_BP, lengths_B, key, *, k, temper
     draft = proposer.observe(params, proposer.init(params, b, capacity), out.features, lengths_B)
     rounds = max(max_new - 1, 1)  # each round commits >= 1 token and the prefill gave the first
     return DecodeState(
-        history=history, prompt_len=lengths_B, n=lengths_B + 1, done=_is_stop(first, stop_ids) | (max_new <= 1),
+        history=history, prompt_len=lengths_B, n=lengths_B + 1, done=_is_stop(first, stop_S) | (max_new <= 1),
+        stop_ids=stop_S,
         cache=out.cache.crop(lengths_B), draft=draft, key=key, rounds=jnp.int32(0),
         accept=jnp.zeros((b, rounds), jnp.int32), proposals=jnp.zeros((b, rounds, k - 1), jnp.int32),
     )
 
 
-def _decode_impl(target, proposer, params, st, *, k, temperature, stop_ids, max_new):
+def _decode_impl(target, proposer, params, st, *, k, temperature, max_new):
     TRACES["decode"] += 1
-    step = functools.partial(_round, target, proposer, params, k=k, temperature=temperature, stop_ids=stop_ids,
-                             max_new=max_new)
+    step = functools.partial(_round, target, proposer, params, k=k, temperature=temperature, max_new=max_new)
     max_rounds = st.accept.shape[1]
     return jax.lax.while_loop(lambda s: (s.rounds < max_rounds) & ~jnp.all(s.done), step, st)
 
 
 # Modules (target, DFlash drafter) are jit arguments as pytrees: their GraphDefs cannot be static arguments
 # because Tunix's ModelConfig, held in them, is unhashable.
-_STATIC = ("proposer", "k", "temperature", "stop_ids", "max_new")
+_STATIC = ("proposer", "k", "temperature", "max_new")
 _prefill = jax.jit(_prefill_impl, static_argnames=_STATIC)
 _decode = jax.jit(_decode_impl, static_argnames=_STATIC, donate_argnames=("st",))
 
@@ -164,15 +164,17 @@ class Engine:
         self.target = target
         self.proposer, self.params = proposer, params
         self.static = dict(k=int(block_size), temperature=float(temperature),
-                           stop_ids=tuple(sorted(int(s) for s in stop_ids)), max_new=int(max_new_tokens))
+                           max_new=int(max_new_tokens))
+        self.stop_ids = tuple(sorted({int(s) for s in stop_ids}))
+        slots = 8 * max(1, -(-len(self.stop_ids) // 8))  # a few fixed sizes: the set is data, not a shape
+        self.stop_S = jnp.asarray(list(self.stop_ids) + [-1] * (slots - len(self.stop_ids)), jnp.int32)
 
     @property
     def block_size(self) -> int:
         return self.static["k"]
 
     def prefill(self, ids_BP, lengths_B, key) -> DecodeState:
-        return _prefill(self.target, self.proposer, self.params, ids_BP, lengths_B, key,
-                        **self.static)
+        return _prefill(self.target, self.proposer, self.params, ids_BP, lengths_B, key, self.stop_S, **self.static)
 
     def decode(self, state: DecodeState) -> DecodeState:
         """The whole decode loop on device (the state's buffers are donated: do not reuse `state`)."""
@@ -186,12 +188,11 @@ class Engine:
     def results(self, state: DecodeState) -> list[Generation]:
         history, plen, n, accept, proposals = jax.device_get(
             (state.history, state.prompt_len, state.n, state.accept, state.proposals))
-        stop_ids = self.static["stop_ids"]
         out = []
         for b in range(history.shape[0]):
             tokens = history[b, plen[b] : n[b]].tolist()
             rounds = int(np.count_nonzero(accept[b]))
-            out.append(Generation(truncate_at_stop(tokens, stop_ids), accept[b, :rounds].tolist(),
+            out.append(Generation(truncate_at_stop(tokens, self.stop_ids), accept[b, :rounds].tolist(),
                                   proposals[b, :rounds].tolist()))
         return out
 

@@ -1,0 +1,127 @@
+"""Cost of one target verify forward against the block size K: is verifying K=128 drafts much dearer than K=16?
+
+  .venv/bin/python benchmarks/verify_cost.py [--preset tiny|smollm2-135m|qwen3-4b|...] [--random]
+      [--ks 1,16,32,64,128,256] [--contexts 128,1024,4096] [--reps 20] [--out runs/verify_cost.json]
+
+One verify = the engine's call: K block tokens for one row, from a KV cache already holding `context` positions,
+returning fp32 logits for all K positions and the cache with the K new entries, rolled back to `context`
+(donated, as in the decode loop). Each point is timed two ways, after a compile run:
+  * block_until_ready on the outputs: the real device time;
+  * jax.effects_barrier(): it waits only for side effects, NOT for a pure computation, so it measures dispatch.
+    (A "verify cost is flat up to K=1024" claim was once timed this way.)
+Presets other than `tiny` need --random: their weights are Tunix's initialisation (values do not change dense
+compute time), in the preset's dtype (bf16 for the Qwen3 and Llama presets).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from dflash_model.config import PRESETS, TargetConfig
+from dflash_model.target import KVCache, build_target, forward
+
+# The test-suite's tiny Qwen3 shape: dispatch and per-op overheads dominate, the opposite extreme of a real model.
+TINY = TargetConfig(
+    family="qwen3", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=32, rope_theta=1e6, rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
+
+
+def _verify(model, block_BK, cache: KVCache, context_B):
+    out = forward(model, block_BK, cache)
+    return out.logits, out.cache.crop(context_B)
+
+
+verify = jax.jit(_verify, donate_argnames=("cache",))
+
+
+def time_point(model, cfg: TargetConfig, k: int, context: int, reps: int, batch: int = 1) -> dict:
+    capacity = context + k
+    cache = KVCache.init(cfg, batch, capacity)
+    context_B = jnp.full((batch,), context, jnp.int32)
+    cache = cache.replace(lengths=jnp.full((batch,), context, jnp.int32))  # its own buffer: the cache is donated
+    block = jax.random.randint(jax.random.key(k), (batch, k), 0, cfg.vocab_size, jnp.int32)
+    logits, cache = verify(model, block, cache, context_B)  # compile
+    jax.block_until_ready((logits, cache))
+
+    synced, barrier = [], []
+    for _ in range(reps):
+        t = time.perf_counter()
+        logits, cache = verify(model, block, cache, context_B)
+        jax.block_until_ready((logits, cache))
+        synced.append(time.perf_counter() - t)
+    for _ in range(reps):
+        t = time.perf_counter()
+        logits, cache = verify(model, block, cache, context_B)
+        jax.effects_barrier()
+        barrier.append(time.perf_counter() - t)
+        jax.block_until_ready((logits, cache))  # outside the timed region: do not queue work behind the next call
+    return {
+        "k": k, "context": context, "batch": batch,
+        "ms_block_until_ready": 1e3 * statistics.median(synced),
+        "ms_effects_barrier": 1e3 * statistics.median(barrier),
+    }
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="tiny", help=f"tiny or one of {sorted(PRESETS)}")
+    ap.add_argument("--random", action="store_true", help="random weights for a real-size preset")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    ap.add_argument("--ks", default="1,16,32,64,128,256")
+    ap.add_argument("--contexts", default="128,1024,4096")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--out", default="runs/verify_cost.json")
+    args = ap.parse_args(argv)
+    if args.preset != "tiny" and not args.random:
+        ap.error("real-size presets run with random weights only: pass --random")
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    cfg = TINY if args.preset == "tiny" else PRESETS[args.preset]
+    if args.dtype:
+        cfg = cfg.replace(dtype=args.dtype)
+    model = build_target(cfg, seed=0)
+    ks = [int(x) for x in args.ks.split(",")]
+    contexts = [int(x) for x in args.contexts.split(",")]
+    points = [time_point(model, cfg, k, c, args.reps, args.batch) for c in contexts for k in ks]
+
+    print(f"verify forward, preset={args.preset} dtype={cfg.dtype} batch={args.batch} on {jax.devices()[0]}")
+    print("| context | K | ms (block_until_ready) | ms / K | ms (effects_barrier: dispatch only) |")
+    print("|---:|---:|---:|---:|---:|")
+    for p in points:
+        print(f"| {p['context']} | {p['k']} | {p['ms_block_until_ready']:.3f} | "
+              f"{p['ms_block_until_ready'] / p['k']:.4f} | {p['ms_effects_barrier']:.3f} |")
+    ratios = {}
+    for c in contexts:
+        by_k = {p["k"]: p for p in points if p["context"] == c}
+        if 16 in by_k and 128 in by_k:
+            ratios[c] = {m: by_k[128][m] / by_k[16][m] for m in ("ms_block_until_ready", "ms_effects_barrier")}
+            print(f"context {c}: K=128 / K=16 = {ratios[c]['ms_block_until_ready']:.2f}x (block_until_ready), "
+                  f"{ratios[c]['ms_effects_barrier']:.2f}x (effects_barrier)")
+    result = {
+        "preset": args.preset, "dtype": cfg.dtype, "batch": args.batch, "reps": args.reps,
+        "device": str(jax.devices()[0]), "machine": platform.processor() or platform.machine(),
+        "points": points, "ratio_k128_over_k16": {str(c): r for c, r in ratios.items()},
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,271 @@
+"""Measure a proposer on a prompt set: tau, per-position acceptance, TPOT and speedup vs plain decoding, lossless check.
+
+  python -m infer.eval --target DIR|FILE.gguf|smollm2 --draft DIR|ngram|random|none \
+      --dataset humaneval|gsm8k|mtbench|FILE.jsonl [--limit N] --max-new-tokens N [--block K] --out DIR
+
+Greedy, batch 1 (the speedup convention). Prompts are chat-templated with thinking off. Both engines are the
+same code: the baseline is proposer none with K = 1. Timing is decode only: prefill and the decode loop are
+separate jitted calls, each compiled before timing, and a decode is timed up to block_until_ready on its
+output (jax.effects_barrier would not wait for a pure computation). Writes DIR/eval.json and
+DIR/acceptance.png and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from infer.loading import load_draft_spec, load_target_spec
+from infer.plain import bucket_length
+from infer.spec import Engine
+
+DATASETS = ("humaneval", "gsm8k", "mtbench")
+
+
+def dataset_messages(name: str, limit: int | None = None) -> list[dict]:
+    """[{id, text} or {id, prompt_ids}] for a named set or a JSONL file.
+
+    JSONL rows may hold `prompt_ids` (used as given, no template), or text under `prompt`, `question`,
+    `turns` (first turn) or `messages` (a chat list). MT-Bench uses the first turn only: a second turn would
+    need the model's own first answer in its context.
+    """
+    from data import assets
+
+    if name == "humaneval":
+        rows = [{"id": r["task_id"], "text": r["prompt"]} for r in assets.humaneval()]
+    elif name == "gsm8k":
+        rows = [{"id": f"gsm8k/{i}", "text": r["question"]} for i, r in enumerate(assets.gsm8k())]
+    elif name == "mtbench":
+        rows = [{"id": f"mtbench/{r['question_id']}", "text": r["turns"][0]} for r in assets.mtbench()]
+    else:
+        path = Path(name)
+        if not path.is_file():
+            raise SystemExit(f"--dataset {name!r}: expected one of {DATASETS} or a .jsonl file")
+        rows = []
+        for i, line in enumerate(path.read_text(encoding="utf-8").splitlines()):
+            if not line.strip():
+                continue
+            r = json.loads(line)
+            rid = r.get("id", f"{path.stem}/{i}")
+            if "prompt_ids" in r:
+                rows.append({"id": rid, "prompt_ids": [int(t) for t in r["prompt_ids"]]})
+            elif "messages" in r:
+                rows.append({"id": rid, "messages": r["messages"]})
+            else:
+                text = r.get("prompt", r.get("question", (r.get("turns") or [None])[0]))
+                if text is None:
+                    raise SystemExit(f"{path}:{i + 1}: no prompt_ids, prompt, question, turns or messages")
+                rows.append({"id": rid, "text": text})
+    return rows[:limit] if limit else rows
+
+
+def encode(rows: list[dict], tokenizer) -> list[list[int]]:
+    from dflash_model.tokenizer import chat_prompt_ids
+
+    out = []
+    for r in rows:
+        if "prompt_ids" in r:
+            out.append(r["prompt_ids"])
+            continue
+        if tokenizer is None:
+            raise SystemExit("this target has no tokenizer: the dataset must give prompt_ids")
+        out.append(chat_prompt_ids(tokenizer, r.get("messages", r.get("text")), thinking=False))
+    return out
+
+
+def acceptance_stats(accept_lengths: list[int], k: int) -> dict:
+    """tau, its histogram and per-position acceptance from the committed lengths (bonus included) of rounds.
+
+    With a = accept_length - 1 accepted drafts in a round, position j (1..K-1) was accepted iff a >= j.
+    unconditional[j] = #(a >= j) / rounds (vLLM's per-position rate); conditional[j] = #(a >= j) / #(a >= j-1),
+    the rate given every earlier draft was accepted (EAGLE's n-alpha).
+    """
+    lengths = np.asarray(accept_lengths, np.int64)
+    rounds = int(lengths.size)
+    a = lengths - 1
+    reached = [int(np.sum(a >= j)) for j in range(k)]  # reached[j] = rounds with >= j accepted drafts
+    uncond = [reached[j] / rounds if rounds else math.nan for j in range(1, k)]
+    cond = [reached[j] / reached[j - 1] if reached[j - 1] else math.nan for j in range(1, k)]
+    return {
+        "rounds": rounds,
+        "tau": float(lengths.mean()) if rounds else math.nan,
+        "tau_histogram": {str(t): int(np.sum(lengths == t)) for t in range(1, k + 1)},
+        "acceptance_unconditional": uncond,
+        "acceptance_conditional": cond,
+    }
+
+
+def _timed_decode(engine: Engine, ids, lengths, key):
+    state = engine.prefill(ids, lengths, key)
+    jax.block_until_ready(state)
+    t = time.perf_counter()
+    state = engine.decode(state)
+    jax.block_until_ready(state)
+    return time.perf_counter() - t, engine.results(state)[0]
+
+
+def _warm(engine: Engine, ids, lengths, key):
+    """Compile prefill and decode for this shape without decoding: a state already marked done exits the
+    loop at once but has exactly the shapes (and so the executable) of a real one."""
+    state = engine.prefill(ids, lengths, key)
+    jax.block_until_ready(engine.decode(state.replace(done=jnp.ones_like(state.done))))
+
+
+def run_eval(target_model, draft, prompts: list[list[int]], *, max_new_tokens: int, stop_ids=(), ids=None,
+             progress: bool = True) -> dict:
+    """Plain and speculative greedy decoding of each prompt at batch 1; returns the report dict."""
+    from tqdm import tqdm
+
+    plain = Engine(target_model, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
+    spec = Engine(target_model, draft.proposer, draft.params, block_size=draft.block_size,
+                  max_new_tokens=max_new_tokens, stop_ids=stop_ids)
+    warmed, records = set(), []
+    for i, prompt in enumerate(tqdm(prompts, desc="eval", disable=not progress, file=sys.stderr)):
+        inputs = plain.inputs([prompt])
+        bucket = bucket_length(len(prompt))
+        if bucket not in warmed:
+            _warm(plain, *inputs)
+            _warm(spec, *inputs)
+            warmed.add(bucket)
+        t_plain, g_plain = _timed_decode(plain, *inputs)
+        t_spec, g_spec = _timed_decode(spec, *inputs)
+        records.append({
+            "id": ids[i] if ids else i, "prompt_tokens": len(prompt),
+            "plain_tokens": g_plain.tokens, "spec_tokens": g_spec.tokens,
+            "accept_lengths": g_spec.accept_lengths,
+            "plain_decode_s": t_plain, "spec_decode_s": t_spec,
+        })
+    return summarize(records, draft, max_new_tokens)
+
+
+def summarize(records: list[dict], draft, max_new_tokens: int) -> dict:
+    k = draft.block_size
+    stats = acceptance_stats([a for r in records for a in r["accept_lengths"]], k)
+    # Decode-only tokens: the first token of each answer comes from the prefill, the rest from the loop.
+    plain_tok = sum(max(len(r["plain_tokens"]) - 1, 0) for r in records)
+    spec_tok = sum(max(len(r["spec_tokens"]) - 1, 0) for r in records)
+    plain_s = sum(r["plain_decode_s"] for r in records)
+    spec_s = sum(r["spec_decode_s"] for r in records)
+    tpot_plain = 1e3 * plain_s / plain_tok if plain_tok else math.nan
+    tpot_spec = 1e3 * spec_s / spec_tok if spec_tok else math.nan
+    mismatches = []
+    for r in records:
+        p, s = r["plain_tokens"], r["spec_tokens"]
+        if p != s:
+            first = next((j for j, (x, y) in enumerate(zip(p, s)) if x != y), min(len(p), len(s)))
+            mismatches.append({"id": r["id"], "first_diff": first, "plain": p[first : first + 8],
+                               "spec": s[first : first + 8], "plain_len": len(p), "spec_len": len(s)})
+    return {
+        "draft": draft.name, "block_size": k, "prompts": len(records), "max_new_tokens": max_new_tokens,
+        **stats,
+        "acceptance_note": "position j = j-th draft of a round; unconditional = #(accepted >= j) / rounds; "
+                           "conditional = #(accepted >= j) / #(accepted >= j-1)",
+        "tpot_plain_ms": tpot_plain, "tpot_spec_ms": tpot_spec,
+        "speedup": tpot_plain / tpot_spec if spec_tok and plain_tok else math.nan,
+        "tokens_per_s_plain": plain_tok / plain_s if plain_s else math.nan,
+        "tokens_per_s_spec": spec_tok / spec_s if spec_s else math.nan,
+        "decode_tokens_plain": plain_tok, "decode_tokens_spec": spec_tok,
+        "timing": "decode only (prefill excluded), batch 1, greedy, block_until_ready, compiled beforehand",
+        "lossless_mismatches": len(mismatches), "mismatch_examples": mismatches[:10],
+        "per_prompt": records,
+    }
+
+
+def format_table(rep: dict) -> str:
+    lines = [
+        f"draft={rep['draft']}  K={rep['block_size']}  prompts={rep['prompts']}  "
+        f"max_new_tokens={rep['max_new_tokens']}",
+        "| metric | value |", "|---|---|",
+        f"| verify rounds | {rep['rounds']} |",
+        f"| tau (mean committed per round, bonus incl.) | {rep['tau']:.3f} |",
+        f"| TPOT plain (ms) | {rep['tpot_plain_ms']:.2f} |",
+        f"| TPOT speculative (ms) | {rep['tpot_spec_ms']:.2f} |",
+        f"| speedup (decode only) | {rep['speedup']:.3f}x |",
+        f"| tokens/s plain / speculative | {rep['tokens_per_s_plain']:.2f} / {rep['tokens_per_s_spec']:.2f} |",
+        f"| lossless mismatches (prompts) | {rep['lossless_mismatches']} / {rep['prompts']} |",
+        "",
+        "tau histogram: " + "  ".join(f"{t}:{c}" for t, c in rep["tau_histogram"].items()),
+        "",
+        "| draft position j | " + " | ".join(str(j) for j in range(1, rep["block_size"])) + " |",
+        "|---|" + "---|" * (rep["block_size"] - 1),
+        "| accepted, unconditional | " + " | ".join(f"{x:.3f}" for x in rep["acceptance_unconditional"]) + " |",
+        "| accepted, conditional | " + " | ".join(f"{x:.3f}" for x in rep["acceptance_conditional"]) + " |",
+    ]
+    for m in rep["mismatch_examples"]:
+        lines.append(f"MISMATCH {m['id']}: first diff at {m['first_diff']}: plain {m['plain']} spec {m['spec']}")
+    return "\n".join(lines)
+
+
+def plot_acceptance(rep: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    j = list(range(1, rep["block_size"]))
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(j, rep["acceptance_unconditional"], "o-", label="unconditional: #(accepted >= j) / rounds")
+    ax.plot(j, rep["acceptance_conditional"], "s--", label="conditional on positions < j accepted")
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    ax.set_xlabel("draft position j")
+    ax.set_ylabel("acceptance rate")
+    ax.set_ylim(0, 1.02)
+    ax.set_title(f"{rep['draft']}, K={rep['block_size']}, tau={rep['tau']:.2f}, {rep['prompts']} prompts")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m infer.eval", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", required=True)
+    ap.add_argument("--draft", required=True)
+    ap.add_argument("--dataset", required=True, help="humaneval, gsm8k, mtbench or a .jsonl file")
+    ap.add_argument("--limit", type=int, default=None)
+    ap.add_argument("--max-new-tokens", type=int, required=True)
+    ap.add_argument("--block", type=int, default=None)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    ap.add_argument("--seed", type=int, default=0, help="init seed of --draft random")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--no-progress", action="store_true")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    target = load_target_spec(args.target, args.dtype)
+    draft = load_draft_spec(args.draft, target.config, args.block, seed=args.seed)
+    rows = dataset_messages(args.dataset, args.limit)
+    prompts = encode(rows, target.tokenizer)
+    stop_ids = ()
+    if target.tokenizer is not None:
+        from dflash_model.tokenizer import stop_token_ids
+
+        stop_ids = stop_token_ids(target.tokenizer)
+    rep = run_eval(target.model, draft, prompts, max_new_tokens=args.max_new_tokens, stop_ids=stop_ids,
+                   ids=[r["id"] for r in rows], progress=not args.no_progress)
+    rep.update(target=str(target.path), dataset=args.dataset, device=str(jax.devices()[0]),
+               dtype=target.config.dtype)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "eval.json").write_text(json.dumps(rep, indent=1))
+    plot_acceptance(rep, out / "acceptance.png")
+    print(format_table(rep))
+    print(f"wrote {out / 'eval.json'} and {out / 'acceptance.png'}")
+    return rep
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""Generate from one prompt with a target and a proposer (DFlash drafter, n-gram, none).
+
+  python -m infer.generate --target DIR|FILE.gguf|smollm2 --draft DIR|none|ngram|random \
+      [--prompt TEXT | --prompt-ids 1,2,3] [--chat] --max-new-tokens N [--block K] \
+      [--temperature T --seed S] [--json]
+
+--json prints one JSON object: tokens (generated ids after the prompt), accept_lengths (committed tokens per
+verify round, bonus included) and proposals (the K-1 drafted ids of each round), plus context fields.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from infer.loading import load_draft_spec, load_target_spec
+from infer.spec import Engine
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m infer.generate", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", required=True, help="HF model directory, .gguf file, or 'smollm2'")
+    ap.add_argument("--draft", default="none", help="drafter directory, none, ngram or random")
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-ids", help="comma-separated prompt token ids (used as given)")
+    ap.add_argument("--chat", action="store_true", help="wrap --prompt in the chat template (thinking off)")
+    ap.add_argument("--max-new-tokens", type=int, required=True)
+    ap.add_argument("--block", type=int, default=None, help="block size K (default: the drafter's; ngram 8)")
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="target compute dtype")
+    ap.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
+    args = ap.parse_args(argv)
+    if args.chat and args.prompt is None:
+        ap.error("--chat needs --prompt TEXT")
+    return args
+
+
+def prompt_ids(args, tokenizer) -> list[int]:
+    if args.prompt_ids is not None:
+        try:
+            ids = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
+        except ValueError as e:
+            raise SystemExit(f"--prompt-ids: expected comma-separated integers ({e})") from e
+        if not ids:
+            raise SystemExit("--prompt-ids: empty")
+        return ids
+    if tokenizer is None:
+        raise SystemExit("this target has no tokenizer: pass --prompt-ids")
+    if args.chat:
+        from dflash_model.tokenizer import chat_prompt_ids
+
+        return chat_prompt_ids(tokenizer, args.prompt)
+    return tokenizer(args.prompt, add_special_tokens=False)["input_ids"]
+
+
+def run(args) -> dict:
+    target = load_target_spec(args.target, args.dtype)
+    draft = load_draft_spec(args.draft, target.config, args.block, seed=args.seed)
+    ids = prompt_ids(args, target.tokenizer)
+    stop_ids = ()
+    if target.tokenizer is not None:
+        from dflash_model.tokenizer import stop_token_ids
+
+        stop_ids = stop_token_ids(target.tokenizer)
+    engine = Engine(target.model, draft.proposer, draft.params, block_size=draft.block_size,
+                    max_new_tokens=args.max_new_tokens, temperature=args.temperature, stop_ids=stop_ids)
+    gen = engine.generate([ids], seed=args.seed)[0]
+    result = {
+        "tokens": gen.tokens,
+        "accept_lengths": gen.accept_lengths,
+        "proposals": gen.proposals,
+        "prompt_ids": ids,
+        "draft": draft.name,
+        "block_size": draft.block_size,
+        "temperature": args.temperature,
+        "mean_accept_length": (sum(gen.accept_lengths) / len(gen.accept_lengths)) if gen.accept_lengths else None,
+    }
+    if target.tokenizer is not None:
+        result["text"] = target.tokenizer.decode(gen.tokens, skip_special_tokens=True)
+    return result
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    result = run(args)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(result.get("text", " ".join(map(str, result["tokens"]))))
+        if result["accept_lengths"]:
+            print(f"[{len(result['accept_lengths'])} rounds, mean accept length {result['mean_accept_length']:.2f}]",
+                  file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""Resolve the CLIs' --target and --draft arguments into a target module, tokenizer and proposer."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from infer import proposers
+
+NGRAM_BLOCK = 8  # default K for prompt lookup: cheap drafts, and verify costs about the same up to here
+
+
+@dataclasses.dataclass
+class Target:
+    path: Path
+    config: Any
+    model: Any
+    tokenizer: Any  # None when the target directory ships none (then only --prompt-ids works)
+
+
+def load_target_spec(spec: str, dtype: str | None = None) -> Target:
+    """'smollm2' (the package-shipped SmolLM2-135M GGUF), an HF model directory or a .gguf file."""
+    from dflash_model.tokenizer import load_tokenizer
+    from dflash_model.weights import load_target
+
+    if spec == "smollm2":
+        from data.assets import smollm2_gguf
+
+        path = smollm2_gguf()
+    else:
+        path = Path(spec)
+    cfg, model = load_target(path, dtype=dtype)
+    try:
+        tok = load_tokenizer(path)
+    except (FileNotFoundError, OSError, ValueError):
+        tok = None
+    return Target(path, cfg, model, tok)
+
+
+@dataclasses.dataclass
+class Draft:
+    name: str
+    proposer: Any
+    params: Any
+    block_size: int  # the K to use (the drafter's trained K unless --block says otherwise)
+    max_block: int | None  # largest allowed K (None: unbounded, n-gram)
+
+
+def load_draft_spec(spec: str, target_cfg, block: int | None = None, seed: int = 0) -> Draft:
+    """'none' (plain decoding), 'ngram' (prompt lookup), 'random' (untrained DFlash drafter preset for the
+    target) or a DFlash drafter directory."""
+    if spec == "none":
+        if block not in (None, 1):
+            raise ValueError("--draft none decodes one token per step: --block must be 1 or left out")
+        return Draft("none", proposers.NoProposer(), None, 1, 1)
+    if spec == "ngram":
+        k = block or NGRAM_BLOCK
+        return Draft("ngram", proposers.NGramProposer(), None, k, None)
+    from dflash_model import drafter_weights
+
+    if spec == "random":
+        cfg, drafter = random_drafter(target_cfg, seed=seed)
+    else:
+        if not Path(spec).is_dir():
+            raise ValueError(f"--draft {spec!r}: expected none, ngram, random or a drafter directory")
+        cfg, drafter = drafter_weights.load_drafter(spec, target_cfg)
+    k = block or cfg.block_size
+    if not 2 <= k <= cfg.block_size:
+        raise ValueError(f"--block {k}: this drafter was trained with K={cfg.block_size}; use 2..{cfg.block_size}")
+    proposer, params = proposers.dflash(drafter, cfg)
+    return Draft("random" if spec == "random" else "dflash", proposer, params, k, cfg.block_size)
+
+
+_SHAPE_FIELDS = ("family", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "head_dim")
+
+
+def random_drafter(target_cfg, seed: int = 0):
+    """An untrained drafter for `target_cfg`: the drafter preset made for that target when one exists (so the
+    mask id is the one a trained drafter would use), else the paper's recipe sized to the target."""
+    import sys
+
+    from dflash_model.config import PRESETS
+    from dflash_model.drafter import DRAFTER_PRESETS, build_drafter, drafter_config_for
+
+    same = lambda t: all(getattr(t, f) == getattr(target_cfg, f) for f in _SHAPE_FIELDS)
+    cfg = next((c for c, tname in DRAFTER_PRESETS.values() if same(PRESETS[tname])), None)
+    if cfg is None:
+        # No preset: the last vocabulary row as mask (an unknown target's free rows are unknown), and as many
+        # of the recipe's 5 features as the default spread rule allows at this depth.
+        print(f"no drafter preset for this target; using mask id {target_cfg.vocab_size - 1}", file=sys.stderr)
+        for n in range(5, 0, -1):
+            try:
+                cfg = drafter_config_for(target_cfg, mask_token_id=target_cfg.vocab_size - 1, n_features=n)
+                break
+            except ValueError:
+                continue
+    cfg = cfg.replace(dtype=target_cfg.dtype)
+    return cfg, build_drafter(cfg, seed=seed)

@@ -1,0 +1,219 @@
+"""Speculative engine: the accept rule, n-gram lookup, lossless greedy output (n-gram, DFlash) on tiny Qwen3 and
+Llama targets, drafter-state sync, stop tokens, compile-once and no host transfer inside the decode loop."""
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import tiny_target
+
+from dflash_model.drafter import DraftCache, build_drafter, drafter_config_for, extend_context
+from dflash_model.target import forward
+from infer.plain import greedy_generate, truncate_at_stop
+from infer.proposers import DFlashProposer, NGramProposer
+from infer.spec import TRACES, Engine, accept_length
+
+MAX_NEW = 24
+
+
+def _prompts(seed=0):
+    """Two rows of different lengths: one random, one a repeated 5-token motif (prompt lookup finds it)."""
+    rng = np.random.default_rng(seed)
+    motif = rng.integers(0, 512, 5).tolist()
+    return [rng.integers(0, 512, 13).tolist(), motif * 4]
+
+
+_TARGETS = {}
+
+
+def _target(family):
+    # Two layers: enough for the cache and feature plumbing, and each compile of the decode loop (the
+    # dominant cost of these tests on a 2-core CPU) stays a few seconds.
+    if family not in _TARGETS:
+        _TARGETS[family] = tiny_target(family, num_hidden_layers=2)
+    return _TARGETS[family]
+
+
+_REFS = {}
+
+
+def _plain(family, prompts, stop_ids=()):
+    key = (family, str(prompts), tuple(stop_ids))
+    if key not in _REFS:
+        _REFS[key] = greedy_generate(_target(family), prompts, MAX_NEW, stop_ids=stop_ids)
+    return _REFS[key]
+
+
+def _check_records(gen, k):
+    assert len(gen.accept_lengths) == len(gen.proposals)
+    assert all(1 <= a <= k for a in gen.accept_lengths)
+    assert all(len(p) == k - 1 for p in gen.proposals)
+    # Every generated token after the prefill's first came from a verify round.
+    assert sum(gen.accept_lengths) >= len(gen.tokens) - 1
+
+
+def test_accept_length_is_the_matching_prefix():
+    drafts = jnp.asarray([[5, 6, 7], [5, 9, 7], [1, 6, 7], [5, 6, 8]])
+    target = jnp.asarray([[5, 6, 7, 8]] * 4)  # target[:, j] is the target's token after block prefix j
+    assert accept_length(drafts, target).tolist() == [3, 1, 0, 2]
+
+
+def test_ngram_lookup_proposals():
+    """Longest n-gram first, most recent match, repetition extended with the match's period, ignores
+    anything past the committed length; no match repeats the last token."""
+    pad = 99
+    rows = [
+        ([7, 1, 2, 3, 4, 5, 1, 2], [3, 4, 5, 1]),  # 3-gram [5,1,2] unseen; 2-gram [1,2] at 1..2 -> 3,4,5,1
+        ([4, 4, 4], [4, 4, 4, 4]),  # run of one token: period 1
+        ([1, 2, 3, 1, 2, 3, 1], [2, 3, 1, 2]),  # cycle of 3, continued past the committed end
+        ([10, 11], [11, 11, 11, 11]),  # no earlier match
+        ([5, 6, 5, 8, 5, 6], [5, 8, 5, 6]),  # 2-gram [5,6] at 0..1 -> 5,8,5,6 (period 4)
+    ]
+    width = 16
+    hist = np.full((len(rows), width), pad, np.int32)
+    for b, (h, _) in enumerate(rows):
+        hist[b, : len(h)] = h
+        hist[b, len(h) : len(h) + 2] = h[:2]  # stale tokens past n that would create false matches
+    n = jnp.asarray([len(h) for h, _ in rows], jnp.int32)
+    propose = jax.jit(NGramProposer(max_n=3, min_n=1).propose, static_argnums=5)
+    got = propose(None, None, (), jnp.asarray(hist), n, 5)
+    assert got.tolist() == [want for _, want in rows]
+
+
+# K = 2, 4, 8, 16 are spread over the n-gram, DFlash and drafter-sync tests (each K is a compile).
+@pytest.mark.parametrize("family,k", [("qwen3", 2), ("llama", 8)])
+def test_greedy_ngram_equals_plain_greedy(family, k):
+    """Batch of 2 rows at different prompt lengths; every token equals target-only greedy decoding (fp32).
+    With a stop id (one of row 1's answer tokens) each row ends right after its first occurrence, even
+    mid-block, exactly where plain greedy decoding would have stopped."""
+    prompts = _prompts()
+    ref = _plain(family, prompts)
+    out = Engine(_target(family), NGramProposer(), block_size=k, max_new_tokens=MAX_NEW).generate(prompts)
+    assert [g.tokens for g in out] == ref
+    for g in out:
+        _check_records(g, k)
+    # The motif row must exercise partial and multi-token acceptance, not only the bonus path.
+    assert max(out[1].accept_lengths) > 1
+
+    stop = ref[1][9]
+    stopped = Engine(_target(family), NGramProposer(), block_size=k, max_new_tokens=MAX_NEW,
+                     stop_ids=(stop,)).generate(prompts)
+    assert [g.tokens for g in stopped] == [truncate_at_stop(r, (stop,)) for r in ref]
+    assert len(stopped[1].tokens) <= 10
+
+
+def test_batch_one_and_plain_engine():
+    """Rows alone (batch 1) give the batch's tokens; proposer none with K=1 is plain decoding on this engine."""
+    prompts = _prompts()
+    ref = _plain("qwen3", prompts)
+    target = _target("qwen3")
+    for b, prompt in enumerate(prompts):
+        alone = Engine(target, NGramProposer(), block_size=2, max_new_tokens=MAX_NEW).generate([prompt])[0]
+        assert alone.tokens == ref[b]
+    plain = Engine(target, max_new_tokens=MAX_NEW).generate(prompts)
+    assert [g.tokens for g in plain] == ref
+    assert all(g.accept_lengths == [1] * (MAX_NEW - 1) and g.proposals == [[]] * (MAX_NEW - 1) for g in plain)
+
+
+# --- DFlash ------------------------------------------------------------------------------------------------
+
+
+def _tiny_drafter(family, seed=0):
+    target = _target(family)
+    cfg = drafter_config_for(target.target_config, mask_token_id=511, num_layers=1, block_size=16,
+                             target_layer_ids=(0, 1))
+    return cfg, build_drafter(cfg, seed=seed)
+
+
+@dataclasses.dataclass(frozen=True)
+class OracleMix:
+    """Test proposer: runs the DFlash drafter (its proposals and its state), then overwrites the drafts with
+    the known greedy continuation except where that true token is a multiple of 3 (pseudo-random positions),
+    so that acceptance lengths vary from round to round and the drafter's state sync sees many counts."""
+
+    inner: Any
+
+    @property
+    def layer_ids(self):
+        return self.inner.layer_ids
+
+    def init(self, params, batch, capacity):
+        return self.inner.init(params["drafter"], batch, capacity)
+
+    def observe(self, params, state, feats, num_new):
+        return self.inner.observe(params["drafter"], state, feats, num_new)
+
+    def propose(self, params, target, state, history, n, k):
+        drafts = self.inner.propose(params["drafter"], target, state, history, n, k)
+        j = jnp.arange(k - 1)[None, :]
+        truth = jnp.take_along_axis(params["ref"], (n - params["plen"])[:, None] + j, axis=1)
+        return jnp.where(truth % 3 == 0, drafts, truth)
+
+
+@pytest.mark.parametrize("family,k,batch_one", [("qwen3", 16, True), ("llama", 4, False)])
+def test_greedy_dflash_equals_plain_greedy(family, k, batch_one):
+    """Untrained DFlash drafter (random init) at batch 2 (and batch 1): output equals plain greedy."""
+    prompts = _prompts(seed=1)
+    ref = _plain(family, prompts)
+    cfg, drafter = _tiny_drafter(family)
+    engine = Engine(_target(family), DFlashProposer(cfg), drafter, block_size=k, max_new_tokens=MAX_NEW)
+    out = engine.generate(prompts)
+    assert [g.tokens for g in out] == ref
+    for g in out:
+        _check_records(g, k)
+    if batch_one:
+        assert engine.generate(prompts[1:])[0].tokens == ref[1]
+
+
+def test_drafter_context_tracks_the_committed_tokens_only():
+    """After decoding with varied acceptance, the drafter's context cache has exactly the target cache's
+    length (the true committed count, not the verified block) and holds the same K/V as a drafter context
+    built from scratch from the committed sequence's target features."""
+    family, k = "qwen3", 8
+    target = _target(family)
+    prompts = _prompts(seed=2)
+    ref = _plain(family, prompts)
+    cfg, drafter = _tiny_drafter(family)
+    ref_arr = jnp.asarray([r + [0] * (MAX_NEW + k - len(r)) for r in ref], jnp.int32)
+    params = {"drafter": drafter, "ref": ref_arr, "plen": jnp.asarray([len(p) for p in prompts], jnp.int32)}
+    engine = Engine(target, OracleMix(DFlashProposer(cfg)), params, block_size=k, max_new_tokens=MAX_NEW)
+    state = engine.decode(engine.prefill(*engine.inputs(prompts)))
+    out = engine.results(state)
+    assert [g.tokens for g in out] == ref
+    lengths = sorted({a for g in out for a in g.accept_lengths})
+    assert len(lengths) >= 3, lengths  # several different committed counts were synced
+
+    n = np.asarray(state.n)
+    np.testing.assert_array_equal(np.asarray(state.draft.lengths), n - 1)
+    np.testing.assert_array_equal(np.asarray(state.cache.lengths), n - 1)
+    history = np.asarray(state.history)
+    for b in range(len(prompts)):
+        seq = jnp.asarray(history[b : b + 1, : n[b] - 1])
+        feats = forward(target, seq, layer_ids=cfg.target_layer_ids, compute_logits=False).features
+        fresh = extend_context(drafter, DraftCache.init(cfg, 1, n[b] - 1), feats, jnp.asarray([n[b] - 1]))
+        np.testing.assert_allclose(state.draft.k[:, b, : n[b] - 1], fresh.k[:, 0], atol=2e-5, rtol=0)
+        np.testing.assert_allclose(state.draft.v[:, b, : n[b] - 1], fresh.v[:, 0], atol=2e-5, rtol=0)
+
+
+# --- compile once, no host transfer --------------------------------------------------------------------------
+
+
+def test_decode_compiles_once_per_bucket_and_never_touches_the_host():
+    """Other prompts of the same batch size and bucket reuse the compiled prefill and decode (traces are
+    counted); the decode loop runs under transfer_guard('disallow'); the next bucket compiles once more."""
+    engine = Engine(_target("llama"), NGramProposer(), block_size=8, max_new_tokens=MAX_NEW)
+    rng = np.random.default_rng(3)
+    engine.generate([rng.integers(0, 512, 10).tolist(), rng.integers(0, 512, 30).tolist()])
+    before = TRACES["decode"], TRACES["prefill"]
+    state = engine.prefill(*engine.inputs([rng.integers(0, 512, 64).tolist(), [7]], seed=1))
+    jax.block_until_ready(state)
+    with jax.transfer_guard("disallow"):  # any host<->device copy inside the call raises
+        state = engine.decode(state)
+        jax.block_until_ready(state)
+    assert (TRACES["decode"] - before[0], TRACES["prefill"] - before[1]) == (0, 0)
+    assert [len(g.tokens) for g in engine.results(state)] == [MAX_NEW, MAX_NEW]
+    engine.generate([rng.integers(0, 512, 65).tolist(), [1]])  # bucket 128: one more compile of each step
+    assert (TRACES["decode"] - before[0], TRACES["prefill"] - before[1]) == (1, 1)
