@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -30,7 +29,7 @@ from flax import nnx
 
 from dflash_model.config import PRESETS, ConfigError, RopeScaling, TargetConfig
 from dflash_model.layers import MASK_VALUE, apply_rope, rms_norm, rope_angles, rope_inv_freq, swiglu
-from dflash_model.target import config_of, embed, lm_head
+from dflash_model.target import KVCache, config_of, embed, lm_head
 
 ATTENTION_TYPES = ("full_attention", "sliding_attention")
 DTYPES = ("float32", "bfloat16")
@@ -579,31 +578,10 @@ def _run_blocks(drafter: Drafter, x_BNKD, mask_pos_BNK, rope_pos_BNK, ctx_kv, kv
 # Inference: the cache holds context K/V only, never block K/V, so drafting needs no roll-back.
 
 
-@flax.struct.dataclass
-class DraftCache:
-    """Each layer's context keys (RoPE applied) and values, plus each row's context length.
-
-    Invariant: entries below `lengths[b]` are the context K/V of positions 0..lengths[b]-1; anything above is
-    stale or padding and is never read (draft_logits masks keys at positions >= lengths).
-    """
-
-    k: jax.Array  # [L, B, C, G, H]
-    v: jax.Array  # [L, B, C, G, H]
-    lengths: jax.Array  # [B] int32
-
-    @classmethod
-    def init(cls, cfg: DrafterConfig, batch: int, capacity: int, dtype=None) -> DraftCache:
-        shape = (cfg.num_hidden_layers, batch, capacity, cfg.num_key_value_heads, cfg.head_dim)
-        dtype = dtype or _jnp_dtype(cfg.dtype)
-        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
-
-    @property
-    def capacity(self) -> int:
-        return self.k.shape[2]
-
-    def crop(self, lengths) -> DraftCache:
-        """Roll every row back to `lengths` (scalar or [B]); never grows a row."""
-        return self.replace(lengths=jnp.minimum(self.lengths, jnp.asarray(lengths, jnp.int32)))
+# The drafter's cache is the target's cache type, holding CONTEXT K/V only (never block K/V): entries below
+# lengths[b] are the context K/V of positions 0..lengths[b]-1; anything above is stale or padding and is
+# never read (draft_logits masks keys at positions >= lengths). DrafterConfig has the fields KVCache.init reads.
+DraftCache = KVCache
 
 
 def _write_rows(cache_BCGH, new_BTGH, pos_BT):

@@ -20,7 +20,7 @@ from flax import nnx
 from dflash_model.config import ConfigError, TargetConfig
 from dflash_model.drafter import Drafter, DrafterConfig, abstract_drafter, check_pairing
 from dflash_model.sharding import param_shardings
-from dflash_model.weights import FLOAT_DTYPES, CheckpointError, SafetensorsSource
+from dflash_model.weights import FLOAT_DTYPES, CheckpointError, SafetensorsSource, torch_layouts
 
 _SAFETENSORS_DTYPE = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 
@@ -37,14 +37,8 @@ def zlab_tensor_specs(cfg: DrafterConfig) -> dict[str, DraftTensor]:
     """Every tensor a z-lab checkpoint of `cfg` holds, keyed by name (the module path joined by dots + '.weight')."""
     d, m, f = cfg.hidden_size, cfg.intermediate_size, cfg.feature_size
     q, g, h = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    same = (lambda w: w, lambda w: w)
-    t = (lambda w: w.T, lambda w: w.T)
-    # torch Linear [out, in] <-> einsum layouts [D, heads, H] (q/k/v) and [Q, H, D] (o).
-    heads_in = lambda n: (
-        lambda w: w.reshape(n, h, d).transpose(2, 0, 1),
-        lambda w: w.transpose(1, 2, 0).reshape(n * h, d),
-    )
-    heads_out = (lambda w: w.reshape(d, q, h).transpose(1, 2, 0), lambda w: w.transpose(2, 0, 1).reshape(d, q * h))
+    same, t, heads_in, heads_out_of = torch_layouts(d, h)
+    heads_out = heads_out_of(q)
 
     def spec(path, shape, conv):
         return ".".join(map(str, path)) + ".weight", DraftTensor(shape, path, *conv)

@@ -225,18 +225,27 @@ class TensorSpec:
     to_hf: Callable  # and back
 
 
+def torch_layouts(d: int, h: int):
+    """(to_param, to_hf) converter pairs between torch Linear weights [out, in] and the einsum layouts of the
+    modules here: identity, transpose, q/k/v [D, heads, H] (a function of heads) and o [heads, H, D] (same)."""
+    same = (lambda w: w, lambda w: w)
+    t = (lambda w: w.T, lambda w: w.T)
+
+    def heads_in(n):
+        return lambda w: w.reshape(n, h, d).transpose(2, 0, 1), lambda w: w.transpose(1, 2, 0).reshape(n * h, d)
+
+    def heads_out(n):
+        return lambda w: w.reshape(d, n, h).transpose(1, 2, 0), lambda w: w.transpose(2, 0, 1).reshape(d, n * h)
+
+    return same, t, heads_in, heads_out
+
+
 def hf_tensor_specs(cfg: TargetConfig) -> dict[str, TensorSpec]:
     """Every tensor an HF checkpoint of `cfg` must contain, with where it goes in the Tunix module."""
     d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     n, k, h = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    same = (lambda w: w, lambda w: w)
-    t = (lambda w: w.T, lambda w: w.T)
-    # torch Linear is [out, in]; Tunix keeps einsum layouts [D, N, H] (q/k/v) and [N, H, D] (o).
-    qkv = lambda heads: (
-        lambda w: w.reshape(heads, h, d).transpose(2, 0, 1),
-        lambda w: w.transpose(1, 2, 0).reshape(heads * h, d),
-    )
-    o = (lambda w: w.reshape(d, n, h).transpose(1, 2, 0), lambda w: w.transpose(2, 0, 1).reshape(d, n * h))
+    same, t, qkv, heads_out = torch_layouts(d, h)
+    o = heads_out(n)
     specs = {
         "model.embed_tokens.weight": TensorSpec((v, d), ("embedder", "input_embedding"), *same),
         "model.norm.weight": TensorSpec((d,), ("final_norm", "w"), *same),
