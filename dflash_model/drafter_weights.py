@@ -20,7 +20,8 @@ from flax import nnx
 from dflash_model.config import ConfigError, TargetConfig
 from dflash_model.drafter import Drafter, DrafterConfig, abstract_drafter, check_pairing
 from dflash_model.sharding import param_shardings
-from dflash_model.weights import FLOAT_DTYPES, CheckpointError, SafetensorsSource, torch_layouts
+from dflash_model.weights import CheckpointError, SafetensorsSource, raise_problems, torch_layouts
+from dflash_model.weights import tensor_problems as shape_dtype_problems
 
 _SAFETENSORS_DTYPE = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 
@@ -82,35 +83,8 @@ def _read_config(model_dir: Path) -> dict:
 
 def tensor_problems(source, cfg: DrafterConfig, declared_dtype: str | None) -> list[str]:
     """Every missing, unexpected, mis-shaped or mis-typed tensor of `source` against `cfg`."""
-    specs = zlab_tensor_specs(cfg)
-    problems = [
-        f"missing tensor {name!r} (expected shape {list(specs[name].shape)})"
-        for name in sorted(set(specs) - set(source.keys()))
-    ]
-    for name in sorted(set(source.keys()) - set(specs)):
-        problems.append(f"unexpected tensor {name!r} in {source.where(name)}")
-    expected = _SAFETENSORS_DTYPE.get(declared_dtype) if declared_dtype is not None else None
-    for name in sorted(set(specs) & set(source.keys())):
-        shape, dtype = source.shape_dtype(name)
-        if shape != specs[name].shape:
-            problems.append(
-                f"tensor {name!r} in {source.where(name)} has shape {list(shape)}, "
-                f"config expects {list(specs[name].shape)}"
-            )
-        if dtype not in FLOAT_DTYPES:
-            problems.append(f"tensor {name!r} in {source.where(name)} has dtype {dtype}, not a float type")
-        elif expected is not None and dtype != expected:
-            problems.append(
-                f"tensor {name!r} in {source.where(name)} has dtype {FLOAT_DTYPES[dtype]}, "
-                f"config declares {declared_dtype}"
-            )
-    return problems
-
-
-def _raise_problems(what: str, problems: list[str]) -> None:
-    if problems:
-        shown = "\n  ".join(problems[:20]) + (f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else "")
-        raise CheckpointError(f"{what} ({len(problems)} problems):\n  {shown}")
+    shapes = {name: spec.shape for name, spec in zlab_tensor_specs(cfg).items()}
+    return shape_dtype_problems(source, shapes, declared_dtype)
 
 
 def load_drafter(
@@ -131,7 +105,7 @@ def load_drafter(
     if declared not in _SAFETENSORS_DTYPE:
         raise ConfigError(f"{source_name}: torch_dtype={declared!r}; expected one of {sorted(_SAFETENSORS_DTYPE)}")
     source = SafetensorsSource(model_dir)
-    _raise_problems(f"{model_dir}: checkpoint does not match its config", tensor_problems(source, cfg, declared))
+    raise_problems(f"{model_dir}: checkpoint does not match its config", tensor_problems(source, cfg, declared))
 
     cfg = cfg if dtype is None else cfg.replace(dtype=dtype)
     drafter = abstract_drafter(cfg)

@@ -273,33 +273,49 @@ def hf_tensor_specs(cfg: TargetConfig) -> dict[str, TensorSpec]:
     return specs
 
 
-def check_tensors(source, cfg: TargetConfig, expected_dtype: str | None) -> None:
-    """Raise CheckpointError listing every missing, unexpected, mis-shaped or mis-typed tensor."""
-    specs = hf_tensor_specs(cfg)
-    # Tied checkpoints may still carry a copy of the embedding as lm_head.weight; it is not used.
-    tolerated = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
-    problems = []
-    for name in sorted(set(specs) - set(source.keys())):
-        problems.append(f"missing tensor {name!r} (expected shape {list(specs[name].hf_shape)})")
-    for name in sorted(set(source.keys()) - set(specs) - tolerated):
+def tensor_problems(source, expected_shapes: dict[str, tuple], declared_dtype: str | None,
+                    tolerated=frozenset()) -> list[str]:
+    """Every missing, unexpected, mis-shaped or mis-typed tensor of `source` against `expected_shapes`.
+
+    Dtypes are compared with `declared_dtype` only when it names a float dtype; `tolerated` names extra
+    tensors that may be present and are ignored."""
+    problems = [
+        f"missing tensor {name!r} (expected shape {list(expected_shapes[name])})"
+        for name in sorted(set(expected_shapes) - set(source.keys()))
+    ]
+    for name in sorted(set(source.keys()) - set(expected_shapes) - set(tolerated)):
         problems.append(f"unexpected tensor {name!r} in {source.where(name)}")
-    for name in sorted(set(specs) & set(source.keys())):
+    compare_dtype = declared_dtype in FLOAT_DTYPES.values()
+    for name in sorted(set(expected_shapes) & set(source.keys())):
         shape, dtype = source.shape_dtype(name)
-        if shape != specs[name].hf_shape:
+        if shape != tuple(expected_shapes[name]):
             problems.append(
                 f"tensor {name!r} in {source.where(name)} has shape {list(shape)}, "
-                f"config expects {list(specs[name].hf_shape)}"
+                f"config expects {list(expected_shapes[name])}"
             )
         if dtype not in FLOAT_DTYPES:
             problems.append(f"tensor {name!r} in {source.where(name)} has dtype {dtype}, not a float type")
-        elif expected_dtype is not None and FLOAT_DTYPES[dtype] != expected_dtype:
+        elif compare_dtype and FLOAT_DTYPES[dtype] != declared_dtype:
             problems.append(
                 f"tensor {name!r} in {source.where(name)} has dtype {FLOAT_DTYPES[dtype]}, "
-                f"config declares {expected_dtype}"
+                f"config declares {declared_dtype}"
             )
+    return problems
+
+
+def raise_problems(what: str, problems: list[str]) -> None:
+    """CheckpointError listing the first 20 problems, if there are any."""
     if problems:
         shown = "\n  ".join(problems[:20]) + (f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else "")
-        raise CheckpointError(f"checkpoint does not match its config ({len(problems)} problems):\n  {shown}")
+        raise CheckpointError(f"{what} ({len(problems)} problems):\n  {shown}")
+
+
+def check_tensors(source, cfg: TargetConfig, expected_dtype: str | None) -> None:
+    """Raise CheckpointError listing every missing, unexpected, mis-shaped or mis-typed tensor."""
+    shapes = {name: spec.hf_shape for name, spec in hf_tensor_specs(cfg).items()}
+    # Tied checkpoints may still carry a copy of the embedding as lm_head.weight; it is not used.
+    tolerated = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+    raise_problems("checkpoint does not match its config", tensor_problems(source, shapes, expected_dtype, tolerated))
 
 
 def load_into_module(source, cfg: TargetConfig, *, mesh=None) -> nnx.Module:
