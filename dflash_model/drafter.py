@@ -29,7 +29,7 @@ from flax import nnx
 
 from dflash_model.config import PRESETS, ConfigError, RopeScaling, TargetConfig
 from dflash_model.layers import MASK_VALUE, apply_rope, rms_norm, rope_angles, rope_inv_freq, swiglu
-from dflash_model.target import KVCache, config_of, embed, lm_head
+from dflash_model.target import KVCache, config_of, embed, lm_head, write_rows
 
 ATTENTION_TYPES = ("full_attention", "sliding_attention")
 DTYPES = ("float32", "bfloat16")
@@ -584,12 +584,6 @@ def _run_blocks(drafter: Drafter, x_BNKD, mask_pos_BNK, rope_pos_BNK, ctx_kv, kv
 DraftCache = KVCache
 
 
-def _write_rows(cache_BCGH, new_BTGH, pos_BT):
-    # Scatter with mode="drop": padding rows that run past the capacity are discarded instead of clamped onto
-    # earlier, valid entries (dynamic_update_slice would shift the whole write back).
-    return jax.vmap(lambda c, x, p: c.at[p].set(x, mode="drop"))(cache_BCGH, new_BTGH, pos_BT)
-
-
 def extend_context(drafter: Drafter, cache: DraftCache, features_BTF, num_new_B) -> DraftCache:
     """Append target features at positions `cache.lengths[b] + 0..T-1`; only the first `num_new_B[b]` of each row
     are real (the rest is padding: written beyond the new length, never read). Returns lengths += num_new.
@@ -601,8 +595,7 @@ def extend_context(drafter: Drafter, cache: DraftCache, features_BTF, num_new_B)
     k_all, v_all = cache.k, cache.v
     for i, layer in enumerate(drafter.layers):
         k, v = _keys_values(layer.self_attn, ctx, cos, sin, cfg.rms_norm_eps)
-        k_all = k_all.at[i].set(_write_rows(k_all[i], k.astype(k_all.dtype), pos_BT))
-        v_all = v_all.at[i].set(_write_rows(v_all[i], v.astype(v_all.dtype), pos_BT))
+        k_all, v_all = write_rows(k_all, i, k, pos_BT), write_rows(v_all, i, v, pos_BT)
     return DraftCache(k_all, v_all, cache.lengths + jnp.asarray(num_new_B, jnp.int32))
 
 

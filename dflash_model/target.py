@@ -139,9 +139,17 @@ def final_norm(model: nnx.Module, hidden):
     return rms_norm(hidden, model.final_norm.w[...], config_of(model).rms_norm_eps)
 
 
-def _write_rows(cache_BCKH, new_BTKH, start_B):
-    """Write each row's T new entries at its own start position."""
-    return jax.vmap(lambda c, n, s: jax.lax.dynamic_update_slice(c, n, (s, 0, 0)))(cache_BCKH, new_BTKH, start_B)
+def write_rows(stack_LBCKH, layer: int, new_BTKH, pos_BT):
+    """Write row b's T new entries at cache positions pos_BT[b] into layer `layer` of a stacked cache buffer.
+
+    One scatter straight into the [L, B, C, K, H] buffer: XLA updates it in place (the decode loop donates the
+    cache), so a step costs O(B*T) writes, not a copy of the cache. (A vmapped dynamic_update_slice per row
+    followed by `.at[layer].set` compiled to a whole-cache select: SmolLM2 TPOT was 8x higher at context 2048
+    than at 256.) Entries past the capacity are dropped, not clamped onto earlier, valid positions.
+    """
+    b, t = new_BTKH.shape[:2]
+    rows_BT = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t))
+    return stack_LBCKH.at[layer, rows_BT, pos_BT].set(new_BTKH.astype(stack_LBCKH.dtype), mode="drop")
 
 
 def forward(
@@ -158,7 +166,7 @@ def forward(
     With a cache, row b's tokens sit at positions `cache.lengths[b] + 0..T-1` and attend causally to the
     cache; the returned cache has `lengths += T` (crop it to keep fewer). Without a cache, positions are
     0..T-1 and attention is causal within the tokens. The caller sizes the cache so that
-    `lengths + T <= capacity` (beyond it dynamic_update_slice would clamp and corrupt earlier entries).
+    `lengths + T <= capacity` (entries beyond it are dropped, so those queries would see no own key).
 
     layer_ids: 0-based decoder layers whose outputs are returned (layer i = HF hidden_states[i + 1]); only
       those are kept. logits_at: optional [B] index into T, to compute logits at one position per row.
@@ -191,9 +199,9 @@ def forward(
             k = rms_norm(k, attn.k_norm.w[...], eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
-            k = _write_rows(cache_k[i], k.astype(cache_k.dtype), start_B)
-            v = _write_rows(cache_v[i], v.astype(cache_v.dtype), start_B)
-            cache_k, cache_v = cache_k.at[i].set(k), cache_v.at[i].set(v)
+            cache_k = write_rows(cache_k, i, k, positions_BT)
+            cache_v = write_rows(cache_v, i, v, positions_BT)
+            k, v = cache_k[i], cache_v[i]
         o = attend(q, k.astype(q.dtype), v.astype(q.dtype), mask_BTS)
         x = x + jnp.einsum("BTNH,NHD->BTD", o, attn.o_proj.w[...].astype(o.dtype))
         h = rms_norm(x, layer.post_attention_layernorm.w[...], eps)
