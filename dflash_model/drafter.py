@@ -464,6 +464,21 @@ def build_drafter(cfg: DrafterConfig, *, seed: int = 0, std: float = 0.02) -> Dr
     return drafter
 
 
+def scale_output_norm(drafter: Drafter, target_model: nnx.Module, logit_std: float = 0.3) -> Drafter:
+    """Set the final norm's scale so an untrained drafter's logits through the frozen lm_head have std ~logit_std.
+
+    The normed output has unit RMS and a random direction, so logit v has std scale * |W_v| (W_v = lm_head row
+    v). With scale 1 that is |W_v| itself (3.2 for SmolLM2): the untrained loss is ~40 against ln V = 10.8, and
+    Adam, which moves a weight by ~lr per step, needs thousands of steps to shrink the scale. A trainer-side
+    initialisation choice (the checkpoint format is unchanged); a short run starts near ln V instead.
+    """
+    tcfg = config_of(target_model)
+    w = target_model.embedder.input_embedding[...] if tcfg.tie_word_embeddings else target_model.lm_head.w[...].T
+    row_norm = float(jnp.mean(jnp.linalg.norm(w.astype(jnp.float32), axis=-1)))
+    drafter.norm.set_value(jnp.full_like(drafter.norm[...], logit_std / max(row_norm, 1e-6)))
+    return drafter
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Shared maths.
 

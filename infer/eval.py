@@ -122,28 +122,40 @@ def _warm(engine: Engine, ids, lengths, key):
 def run_eval(target_model, draft, prompts: list[list[int]], *, max_new_tokens: int, stop_ids=(), ids=None,
              progress: bool = True) -> dict:
     """Plain and speculative greedy decoding of each prompt at batch 1; returns the report dict."""
+    return run_comparison(target_model, [draft], prompts, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
+                          ids=ids, progress=progress)[draft.name]
+
+
+def run_comparison(target_model, drafts, prompts: list[list[int]], *, max_new_tokens: int, stop_ids=(), ids=None,
+                   progress: bool = True) -> dict[str, dict]:
+    """Each prompt decoded once plainly and once per draft (batch 1, greedy); {draft name: report}. Every
+    report compares against the same plain run, so the drafts' speedups share one baseline."""
     from tqdm import tqdm
 
+    names = [d.name for d in drafts]
+    if len(set(names)) != len(names):
+        raise ValueError(f"draft names must be distinct to compare them: {names}")
     plain = Engine(target_model, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
-    spec = Engine(target_model, draft.proposer, draft.params, block_size=draft.block_size,
-                  max_new_tokens=max_new_tokens, stop_ids=stop_ids)
-    warmed, records = set(), []
+    specs = [Engine(target_model, d.proposer, d.params, block_size=d.block_size, max_new_tokens=max_new_tokens,
+                    stop_ids=stop_ids) for d in drafts]
+    warmed, records = set(), {d.name: [] for d in drafts}
     for i, prompt in enumerate(tqdm(prompts, desc="eval", disable=not progress, file=sys.stderr)):
         inputs = plain.inputs([prompt])
         bucket = bucket_length(len(prompt))
         if bucket not in warmed:
-            _warm(plain, *inputs)
-            _warm(spec, *inputs)
+            for engine in (plain, *specs):
+                _warm(engine, *inputs)
             warmed.add(bucket)
         t_plain, g_plain = _timed_decode(plain, *inputs)
-        t_spec, g_spec = _timed_decode(spec, *inputs)
-        records.append({
-            "id": ids[i] if ids else i, "prompt_tokens": len(prompt),
-            "plain_tokens": g_plain.tokens, "spec_tokens": g_spec.tokens,
-            "accept_lengths": g_spec.accept_lengths,
-            "plain_decode_s": t_plain, "spec_decode_s": t_spec,
-        })
-    return summarize(records, draft, max_new_tokens)
+        for d, spec in zip(drafts, specs):
+            t_spec, g_spec = _timed_decode(spec, *inputs)
+            records[d.name].append({
+                "id": ids[i] if ids else i, "prompt_tokens": len(prompt),
+                "plain_tokens": g_plain.tokens, "spec_tokens": g_spec.tokens,
+                "accept_lengths": g_spec.accept_lengths,
+                "plain_decode_s": t_plain, "spec_decode_s": t_spec,
+            })
+    return {d.name: summarize(records[d.name], d, max_new_tokens) for d in drafts}
 
 
 def summarize(records: list[dict], draft, max_new_tokens: int) -> dict:
@@ -220,6 +232,47 @@ def plot_acceptance(rep: dict, path: Path) -> None:
     ax.set_ylabel("acceptance rate")
     ax.set_ylim(0, 1.02)
     ax.set_title(f"{rep['draft']}, K={rep['block_size']}, tau={rep['tau']:.2f}, {rep['prompts']} prompts")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def format_comparison(reports: dict[str, dict]) -> str:
+    """One row per decoder, plain first: the table a run prints at its end."""
+    first = next(iter(reports.values()))
+    lines = [
+        f"{first['prompts']} prompts, up to {first['max_new_tokens']} new tokens, greedy, batch 1 "
+        f"(TPOT and speedup: decode only)",
+        "| decoder | K | tau | acc. pos 1 | acc. pos 2 | acc. pos 3 | TPOT ms | speedup | tokens/s | lossless |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        f"| plain | 1 | 1.000 | - | - | - | {first['tpot_plain_ms']:.1f} | 1.00x | "
+        f"{first['tokens_per_s_plain']:.2f} | - |",
+    ]
+    for name, r in reports.items():
+        acc = (list(r["acceptance_unconditional"]) + [math.nan] * 3)[:3]
+        lines.append(f"| {name} | {r['block_size']} | {r['tau']:.3f} | " + " | ".join(f"{a:.3f}" for a in acc)
+                     + f" | {r['tpot_spec_ms']:.1f} | {r['speedup']:.2f}x | {r['tokens_per_s_spec']:.2f} | "
+                     f"{r['prompts'] - r['lossless_mismatches']}/{r['prompts']} equal |")
+    return "\n".join(lines)
+
+
+def plot_comparison(reports: dict[str, dict], path: Path, title: str = "") -> None:
+    """Unconditional per-position acceptance of several decoders on one axis (x up to the widest block)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    for name, r in reports.items():
+        j = list(range(1, r["block_size"]))
+        ax.plot(j, r["acceptance_unconditional"], "o-", ms=3, label=f"{name} (K={r['block_size']}, tau={r['tau']:.2f})")
+    ax.set_xlabel("draft position j")
+    ax.set_ylabel("#(accepted >= j) / rounds")
+    ax.set_ylim(0, 1.02)
+    ax.set_title(title or "per-position acceptance")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -100,6 +100,15 @@ def test_damaged_latest_checkpoint_falls_back(run30, tmp_path):
     assert [r["loss"] for r in _records(run_dir)] == [r["loss"] for r in _records(run30[0])][:23]
 
 
+def test_resume_refuses_a_different_objective(run30, tmp_path):
+    """A checkpoint trained at K=8 must not silently continue as K=16 or with another gamma."""
+    run_dir = _copy(run30, tmp_path, keep_steps={30})
+    with pytest.raises(ValueError, match=r"block_size=8 in the checkpoint but 16 now"):
+        Trainer(load_config("tiny", [f"run_dir={run_dir}", "block_size=16"]))
+    with pytest.raises(ValueError, match=r"gamma=4.0 in the checkpoint but 2.5 now"):
+        Trainer(load_config("tiny", [f"run_dir={run_dir}", "gamma=2.5"]))
+
+
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(run30, tmp_path):
     run_dir = _copy(run30, tmp_path, keep_steps={10})
     tr = Trainer(load_config("tiny", [f"run_dir={run_dir}", "debug.nan_at_step=13"]))

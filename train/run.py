@@ -1,7 +1,13 @@
-"""Train a DFlash drafter: `python train/run.py [--config smollm2-135m] [--block 64] [key=value ...]`."""
+"""Train a DFlash drafter: `python train/run.py [--config smollm2-135m] [--block 64] [key=value ...]`.
+
+The default config does the whole job on the embedded SmolLM2-135M-Instruct: regenerate ShareGPT replies with
+the target (cached), train, checkpoint, export in the z-lab format, and evaluate against plain decoding and
+n-gram drafting on held-out prompts (train/workflow.py).
+"""
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from pathlib import Path
@@ -10,30 +16,90 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
+def _target_name(cfg) -> str:
+    path = cfg.target.path
+    if path is None:
+        return f"random-{cfg.target.preset}"
+    return path.split(":", 1)[1] if str(path).startswith("asset:") else Path(path).stem
+
+
+def init_distributed() -> bool:
+    """Join a jax.distributed cluster (JAX multi-controller: one process per host) when JAX_COORDINATOR_ADDRESS
+    (host:port of process 0) is set, with JAX_NUM_PROCESSES and JAX_PROCESS_ID; unset, they are auto-detected
+    where JAX can (Slurm, Open MPI, Cloud TPU). Must run before anything touches a device. Without
+    JAX_COORDINATOR_ADDRESS nothing happens: a single-process run. CPU processes talk over gloo (JAX's default)."""
+    import os
+
+    addr = os.environ.get("JAX_COORDINATOR_ADDRESS")
+    if not addr:
+        return False
+    import jax
+
+    n, pid = os.environ.get("JAX_NUM_PROCESSES"), os.environ.get("JAX_PROCESS_ID")
+    jax.distributed.initialize(addr, num_processes=int(n) if n else None, process_id=int(pid) if pid else None)
+    return True
+
+
 def main(argv: list[str] | None = None) -> dict:
     from train.config import cli_overrides, load_config
 
+    init_distributed()
     name, overrides = cli_overrides(sys.argv[1:] if argv is None else argv)
     cfg = load_config(name, overrides)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every checkpoint step at INFO
     log = logging.getLogger("dflash.train")
+
+    import jax
+
+    from train import workflow
+    from train.trainer import Trainer, load_target_model, resolve_mesh
+
+    target = tokenizer = heldout = None
+    if cfg.data.source == "regenerate":
+        from dflash_model.tokenizer import load_tokenizer
+
+        r = cfg.data.regenerate
+        out = workflow.regenerated_path(r, _target_name(cfg))
+        todo = int(r.limit) - int(r.heldout) - (workflow.count_lines(out) if out.exists() else 0)
+        workflow.announce_start(cfg, regen_todo=max(todo, 0))
+        target, tok_path = load_target_model(cfg, resolve_mesh(cfg))
+        tok_source = cfg.data.tokenizer or tok_path
+        tokenizer = load_tokenizer(tok_source)
+        path, heldout = workflow.prepare_regenerated(cfg, target, tokenizer, _target_name(cfg))
+        cfg = load_config(name, [*overrides, f"data.source={path}", f"data.tokenizer={tok_source}"])
+    else:
+        workflow.announce_start(cfg)
     log.info("resolved config (%s):\n%s", name, cfg.dump())
 
-    from train.trainer import Trainer
-
-    trainer = Trainer(cfg)
-    Path(cfg.run_dir, "config.yml").write_text(cfg.dump())
+    trainer = Trainer(cfg, target=target)
+    if jax.process_index() == 0:  # like metrics.jsonl and the export: one writer in a multi-process run
+        Path(cfg.run_dir, "config.yml").write_text(cfg.dump())
     left = trainer.total_steps - trainer.step
-    target = cfg.target.path or f"random {cfg.target.preset}" + (" (arch overrides)" if cfg.target.arch else "")
+    what = cfg.target.path or f"random {cfg.target.preset}" + (" (arch overrides)" if cfg.target.arch else "")
     log.info("will train a %d-layer K=%d drafter (gamma %.2f) on %s for %d more steps (%s), %d anchors/seq, "
              "batch %d x %d tokens; first step compiles (seconds for tiny, minutes for 4B+ targets); "
              "checkpoints every %d steps in %s", trainer.drafter_cfg.num_hidden_layers, trainer.block_size,
-             trainer.gamma, target, left,
+             trainer.gamma, what, left,
              f"resuming from step {trainer.step}" if trainer.step else "fresh start", cfg.num_anchors,
              cfg.train.batch_size, cfg.train.max_len, cfg.checkpoint.every_steps, trainer.ckpt_dir)
     summary = trainer.train()
     log.info("done: %s", summary)
+
+    finished = trainer.step >= trainer.total_steps and summary["stopped_by"] is None
+    if bool(cfg.eval.enabled) and finished and jax.process_index() == 0:
+        prior = Path(cfg.run_dir, "eval", "eval.json")
+        if prior.exists() and json.loads(prior.read_text()).get("trained_steps") == trainer.step:
+            log.info("eval of step %d already in %s:\n%s", trainer.step, prior.parent,
+                     Path(prior.parent, "table.md").read_text())
+        else:
+            if tokenizer is None and (cfg.data.tokenizer or trainer.tokenizer_path):
+                from dflash_model.tokenizer import load_tokenizer
+
+                tokenizer = load_tokenizer(cfg.data.tokenizer or trainer.tokenizer_path)
+            rows = workflow.eval_rows(cfg, heldout)
+            export = Path(summary["export"]) if summary.get("export") else None
+            summary["eval"] = workflow.final_eval(cfg, trainer, tokenizer, rows, export)["reports"]
     return summary
 
 

@@ -29,7 +29,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from dflash_model import sharding as shd
-from dflash_model.drafter import build_drafter, check_pairing, drafter_config_for, drafter_preset
+from dflash_model.drafter import build_drafter, check_pairing, drafter_config_for, drafter_preset, scale_output_norm
 from dflash_model.target import config_of, forward
 from train.config import Config
 from train.data import build_train_dataset
@@ -227,11 +227,17 @@ class Trainer:
         self.gamma = float(cfg.gamma) if cfg.gamma is not None else default_gamma(self.block_size)
 
         shd.shard_model(self.target, self.mesh)
-        drafter = shd.shard_model(build_drafter(self.drafter_cfg, seed=int(cfg.seed)), self.mesh)
+        drafter = build_drafter(self.drafter_cfg, seed=int(cfg.seed))
+        if cfg.drafter.init_logit_std is not None:
+            drafter = scale_output_norm(drafter, self.target, float(cfg.drafter.init_logit_std))
+        drafter = shd.shard_model(drafter, self.mesh)
         self.d_graph, params = nnx.split(drafter)
         self.t_graph, self.t_state = nnx.split(self.target)
 
         tokenizer = None
+        if cfg.data.source == "regenerate":
+            raise ValueError("data.source=regenerate is resolved by train/run.py (train.workflow.prepare_regenerated "
+                             "writes the JSONL); give the Trainer that JSONL's path as data.source")
         if cfg.data.source != "synthetic":
             from dflash_model.tokenizer import load_tokenizer
 
@@ -303,11 +309,22 @@ class Trainer:
                 warnings.warn(msg, stacklevel=2)
                 log.warning(msg)
                 continue
+            self._check_meta(got.meta, step)
             self.state = self._place(got.state)
             self.iterator.set_state(got.data)
             log.info("resumed from step %d (%s)", step, self.ckpt_dir)
             return step
         return None
+
+    def _check_meta(self, meta: dict, step: int) -> None:
+        """A checkpoint resumes only the objective it was trained with: the drafter shapes would load at another
+        K (the block size is not a parameter shape), so a changed block_size or gamma is refused by name."""
+        mine = {"block_size": self.block_size, "gamma": self.gamma}
+        diff = {k: (meta.get(k), v) for k, v in mine.items() if k in meta and not math.isclose(float(meta[k]), v)}
+        if diff:
+            said = ", ".join(f"{k}={old} in the checkpoint but {new} now" for k, (old, new) in diff.items())
+            raise ValueError(f"checkpoint step {step} in {self.ckpt_dir}: {said}; use a new run_dir (or "
+                             f"checkpoint.dir) for a different objective, or set them back to resume")
 
     def save(self, force: bool = False) -> None:
         step = self.step
@@ -427,14 +444,26 @@ class Trainer:
                    "tokens_per_s": t_tokens / t_time if t_time else None,
                    "anchors_per_s": t_anchors / t_time if t_time else None,
                    "step_s": t_time / timed if timed else None}
-        if self.step >= self.total_steps and stopped is None and bool(cfg.export.enabled) and jax.process_index() == 0:
-            summary["export"] = str(self.export())
+        if self.step >= self.total_steps and stopped is None and bool(cfg.export.enabled):
+            path = self.export()  # every process: FSDP shards are gathered from all of them; process 0 writes
+            if path is not None:
+                summary["export"] = str(path)
         return summary
 
-    def export(self) -> Path:
+    def export(self) -> Path | None:
+        """The z-lab format drafter at <run_dir>/export/. With several processes every one must call this (the
+        parameters are gathered across them); process 0 writes and gets the path, the others None."""
         from dflash_model.drafter_weights import export_drafter
 
-        drafter = self.drafter()
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            params = multihost_utils.process_allgather(self.state["params"], tiled=True)  # host numpy, whole
+            if jax.process_index() != 0:
+                return None
+            drafter = nnx.merge(self.d_graph, params)
+        else:
+            drafter = self.drafter()
         return export_drafter(drafter, drafter.config, self.run_dir / "export", dtype=self.cfg.export.dtype)
 
     def _tensorboard(self):

@@ -1,0 +1,56 @@
+"""The run around the trainer: held-out split, regenerated-data naming, and the end-of-run eval hook."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from train import workflow
+from train.config import load_config
+
+
+def test_heldout_split_keeps_the_tail_out_of_training():
+    convs = [{"id": str(i)} for i in range(10)]
+    train, held = workflow.split_heldout(convs, 3)
+    assert [c["id"] for c in train] == [str(i) for i in range(7)]
+    assert [c["id"] for c in held] == ["7", "8", "9"]
+    with pytest.raises(ValueError, match="heldout=10 must be in 0..9"):
+        workflow.split_heldout(convs, 10)
+
+
+def test_regenerated_path_names_every_setting(tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path))
+    r = load_config("smollm2-135m").data.regenerate
+    p = workflow.regenerated_path(r, "smollm2")
+    assert p.parent == tmp_path / "regenerated"
+    assert p.name == f"smollm2-sharegpt-n{r.limit}-h{r.heldout}-p{r.max_prompt_tokens}-t{r.max_new_tokens}.jsonl"
+    other = load_config("smollm2-135m", ["data.regenerate.max_new_tokens=7"]).data.regenerate
+    assert workflow.regenerated_path(other, "smollm2") != p
+
+
+def test_run_ends_with_an_eval_of_the_exported_drafter(tmp_path):
+    """train/run.py on the tiny config with eval on: the exported drafter, n-gram and plain decoding run through
+    the shared decode loop, every speculative output equals plain greedy, and a second run reuses the eval."""
+    from train.run import main
+
+    rng = np.random.default_rng(0)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt_ids": rng.integers(0, 500, 12).tolist()}) + "\n"
+                               for i in range(3)))
+    args = ["--config", "tiny", f"run_dir={tmp_path / 'run'}", "train.steps=6", "eval.enabled=true",
+            f"eval.prompts={prompts}", "eval.max_new_tokens=12", "eval.num_prompts=2"]
+    summary = main(args)
+    rep = json.loads((tmp_path / "run" / "eval" / "eval.json").read_text())
+    assert rep["trained_steps"] == 6 and rep["num_prompts"] == 2 and rep["drafter"].endswith("export")
+    assert set(rep["reports"]) == {"dflash", "ngram"}
+    for r in rep["reports"].values():
+        assert r["lossless_mismatches"] == 0 and r["prompts"] == 2
+        assert r["decode_tokens_plain"] == 2 * 11  # 12 new tokens each, the first from the prefill
+        assert r["tau"] >= 1.0
+    assert rep["reports"]["dflash"]["block_size"] == 8 and rep["reports"]["ngram"]["block_size"] == 8
+    assert (tmp_path / "run" / "eval" / "acceptance.png").stat().st_size > 0
+    assert summary["eval"]["dflash"]["tau"] == rep["reports"]["dflash"]["tau"]
+    again = main(args)  # nothing left to train; the eval of step 6 is reused, not recomputed
+    assert "eval" not in again and again["step"] == 6

@@ -1,0 +1,167 @@
+"""What a full training run does around the Trainer: build its data with the target, say what it will do, and
+evaluate the exported drafter at the end.
+
+`train/run.py` calls, in order: `load_target_model`, `prepare_regenerated` (when data.source is `regenerate`),
+`announce`, the Trainer, `final_eval`. Each step keeps its output on disk (regenerated JSONL in the cache,
+checkpoints, export, eval JSON), so a second run of the same config skips what is already done.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+from data.assets import cache_root
+
+log = logging.getLogger("dflash.train")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Data: the target's own replies to the first turns of a conversation set, with a held-out tail for eval.
+
+
+def regenerated_path(rcfg, target_name: str) -> Path:
+    """Where the regenerated training JSONL lives: data.regenerate.output, or a cache file named by every
+    setting that changes its contents (so changing one regenerates, and the same config reuses it)."""
+    if rcfg.output is not None:
+        return Path(rcfg.output)
+    stem = Path(str(rcfg.prompts)).stem
+    name = (f"{target_name}-{stem}-n{rcfg.limit}-h{rcfg.heldout}-p{rcfg.max_prompt_tokens}"
+            f"-t{rcfg.max_new_tokens}.jsonl")
+    return cache_root() / "regenerated" / name
+
+
+def split_heldout(conversations: list[dict], heldout: int) -> tuple[list[dict], list[dict]]:
+    """(train, held out): the last `heldout` conversations never reach training; eval uses their prompts."""
+    if heldout < 0 or heldout >= len(conversations):
+        raise ValueError(f"data.regenerate.heldout={heldout} must be in 0..{len(conversations) - 1} "
+                         f"({len(conversations)} conversations read)")
+    cut = len(conversations) - heldout
+    return conversations[:cut], conversations[cut:]
+
+
+def prepare_regenerated(cfg, model, tok, target_name: str) -> tuple[Path, list[dict]]:
+    """Regenerate (resuming) the training replies; returns (training JSONL, held-out prompt rows for eval)."""
+    from data.conversations import load_conversations
+    from data.regenerate import first_turn_prompt, regenerate
+
+    r = cfg.data.regenerate
+    convs, _ = load_conversations(r.prompts, limit=int(r.limit), require_assistant=False)
+    train_convs, held = split_heldout(convs, int(r.heldout))
+    out = regenerated_path(r, target_name)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    stats = regenerate(model, tok, train_convs, out, batch_size=int(r.batch_size),
+                       max_new_tokens=int(r.max_new_tokens), max_prompt_tokens=int(r.max_prompt_tokens))
+    if stats["written"]:
+        log.info("regenerated %d replies (%d tokens) in %.1f min -> %s; %d were already there, skipped %s",
+                 stats["written"], stats["new_tokens"], (time.perf_counter() - t0) / 60, out,
+                 stats["already_done"], stats["skipped"] or "none")
+    else:
+        log.info("regenerated data already complete: %s (%d replies)", out, stats["already_done"])
+    rows = []
+    for c in held:
+        prompt = first_turn_prompt(c["messages"])
+        if prompt is not None:
+            rows.append({"id": c["id"], "messages": prompt})
+    return out, rows
+
+
+def count_lines(path: Path) -> int:
+    with Path(path).open("rb") as f:
+        return sum(1 for _ in f)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The plan, said up front.
+
+# Rough rates on a 2-core x86 CPU, fp32 SmolLM2-135M (measured, see README): enough for an order of magnitude.
+REGEN_TOKENS_PER_S = 80.0
+EVAL_S_PER_PROMPT_TOKEN = 0.35  # three decoders (plain, n-gram, DFlash) per new token, plus their compiles
+
+
+def announce_start(cfg, *, regen_todo: int = 0) -> None:
+    """Log what the run will do and roughly how long the parts before and after training take (training's own
+    ETA is logged with every step line)."""
+    parts = []
+    if regen_todo:
+        r = cfg.data.regenerate
+        mins = regen_todo * int(r.max_new_tokens) * 0.8 / REGEN_TOKENS_PER_S / 60
+        parts.append(f"regenerate {regen_todo} replies with the target (~{mins:.0f} min, once: cached for later runs)")
+    steps = cfg.train.steps if cfg.train.steps is not None else f"{cfg.train.epochs} epochs of"
+    parts.append(f"train a K={cfg.block_size} drafter for {steps} steps of {cfg.train.batch_size} sequences, "
+                 f"checkpointing to {cfg.checkpoint.dir or Path(cfg.run_dir) / 'checkpoints'}")
+    if bool(cfg.export.enabled):
+        parts.append(f"export it in the z-lab format to {Path(cfg.run_dir) / 'export'}")
+    if bool(cfg.eval.enabled):
+        e = cfg.eval
+        mins = int(e.num_prompts) * int(e.max_new_tokens) * EVAL_S_PER_PROMPT_TOKEN / 60
+        parts.append(f"evaluate it vs n-gram vs plain decoding on {e.num_prompts} {e.prompts} prompts "
+                     f"(~{mins:.0f} min)")
+    log.info("plan: %s", "; ".join(f"({i}) {p}" for i, p in enumerate(parts, 1)))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The end-of-run evaluation: the exported drafter through the shared decode loop (infer/), vs plain and n-gram.
+
+
+def eval_rows(cfg, heldout: list[dict] | None) -> list[dict]:
+    from infer.eval import dataset_messages
+
+    e = cfg.eval
+    if e.prompts == "heldout":
+        if heldout is None:
+            raise ValueError("eval.prompts=heldout needs data.source=regenerate (it holds prompts out of training)")
+        rows = heldout
+    else:
+        rows = dataset_messages(str(e.prompts))
+    return rows[: int(e.num_prompts)]
+
+
+def final_eval(cfg, trainer, tokenizer, rows: list[dict], export_dir: Path | None) -> dict:
+    """Decode `rows` plainly, with the trained drafter and with n-gram; write <run_dir>/eval/ and print a table."""
+    from dflash_model.tokenizer import stop_token_ids
+    from infer import proposers
+    from infer.eval import encode, format_comparison, format_table, plot_comparison, run_comparison
+    from infer.loading import Draft
+
+    e = cfg.eval
+    target_cfg = trainer.target_cfg
+    if export_dir is not None:
+        # The exported files, as a server would load them (bf16 values, computed in the target's dtype).
+        from dflash_model.drafter_weights import load_drafter
+
+        dcfg, drafter = load_drafter(export_dir, target_cfg, dtype=target_cfg.dtype)
+    else:
+        drafter = trainer.drafter()
+        dcfg = drafter.config
+    k = int(e.block) if e.block is not None else dcfg.block_size
+    proposer, params = proposers.dflash(drafter, dcfg)
+    ngram, _ = proposers.ngram()
+    drafts = [Draft("dflash", proposer, params, k, dcfg.block_size),
+              Draft("ngram", ngram, None, int(e.ngram_block), None)]
+    prompts = encode(rows, tokenizer)
+    keep = [i for i, p in enumerate(prompts) if len(p) <= int(e.max_prompt_tokens)]
+    if len(keep) < len(prompts):
+        log.info("eval: %d of %d prompts are longer than eval.max_prompt_tokens=%s; skipped",
+                 len(prompts) - len(keep), len(prompts), e.max_prompt_tokens)
+    prompts, ids = [prompts[i] for i in keep], [rows[i]["id"] for i in keep]
+    if not prompts:
+        raise ValueError("no eval prompt left; raise eval.max_prompt_tokens or eval.num_prompts")
+    t0 = time.perf_counter()
+    reports = run_comparison(trainer.target, drafts, prompts, max_new_tokens=int(e.max_new_tokens),
+                             stop_ids=tuple(stop_token_ids(tokenizer)) if tokenizer is not None else (), ids=ids)
+    out = Path(cfg.run_dir) / "eval"
+    out.mkdir(parents=True, exist_ok=True)
+    summary = {"prompts": str(e.prompts), "num_prompts": len(prompts), "wall_s": time.perf_counter() - t0,
+               "trained_steps": trainer.step, "drafter": str(export_dir or "in-memory"), "reports": reports}
+    (out / "eval.json").write_text(json.dumps(summary, indent=1))
+    plot_comparison(reports, out / "acceptance.png",
+                    title=f"held-out acceptance after {trainer.step} steps" if e.prompts == "heldout" else "")
+    table = format_comparison(reports)
+    (out / "table.md").write_text(table + "\n\n" + format_table(reports["dflash"]) + "\n")
+    print(table, flush=True)
+    log.info("eval written to %s (eval.json, table.md, acceptance.png) in %.1f min", out, summary["wall_s"] / 60)
+    return summary
