@@ -102,6 +102,7 @@ class DFlashProposer:
 
     config: Any  # DrafterConfig (frozen, hashable)
     name: str = "dflash"
+    zero_features: bool = False  # ablation: the drafter sees zeros where the target features go (as trained)
 
     @property
     def layer_ids(self) -> tuple[int, ...]:
@@ -115,7 +116,8 @@ class DFlashProposer:
     def observe(self, params, state, feats_BTF, num_new_B):
         from dflash_model.drafter import extend_context
 
-        return extend_context(params, state, feats_BTF, num_new_B)
+        feats = jnp.zeros_like(feats_BTF) if self.zero_features else feats_BTF
+        return extend_context(params, state, feats, num_new_B)
 
     def propose(self, params, target, state, history_BC, n_B, k):
         from dflash_model.drafter import propose
@@ -125,8 +127,8 @@ class DFlashProposer:
         return propose(params, target, state, last_tokens(history_BC, n_B), k).astype(jnp.int32)
 
 
-def dflash(drafter, config) -> tuple[DFlashProposer, Any]:
-    return DFlashProposer(config), drafter
+def dflash(drafter, config, zero_features: bool = False) -> tuple[DFlashProposer, Any]:
+    return DFlashProposer(config, zero_features=zero_features), drafter
 
 
 def ngram(max_n: int = 3, min_n: int = 1) -> tuple[NGramProposer, None]:

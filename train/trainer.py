@@ -147,6 +147,7 @@ class Program:
     gamma: float
     ce_chunk: int
     layer_ids: tuple
+    zero_features: bool  # ablation (features.zero): how much of the drafter's skill comes from the target
     opt: tuple
     total_steps: int
     mesh_key: tuple  # the sharding constraint below is only valid on the mesh it was made for
@@ -178,6 +179,8 @@ def _loss(prog: Program, params, t_state, batch, step, nan_at):
         features = batch["features"]
     else:
         features = forward(target, batch["input_ids"], layer_ids=prog.layer_ids, compute_logits=False).features
+    if prog.zero_features:
+        features = jnp.zeros_like(features)
     loss, metrics = dflash_loss(drafter, target, jax.lax.stop_gradient(features), batch["input_ids"],
                                 batch["loss_mask"], batch["anchors"], block_size=prog.block_size, gamma=prog.gamma,
                                 ce_chunk=prog.ce_chunk)
@@ -349,6 +352,7 @@ class Trainer:
         return Program(
             d_graph=self.d_graph, t_graph=self.t_graph, block_size=self.block_size, gamma=self.gamma,
             ce_chunk=int(self.cfg.ce_chunk), layer_ids=tuple(self.drafter_cfg.target_layer_ids),
+            zero_features=bool(self.cfg.features.zero),
             opt=tuple((k, t[k]) for k in OPT_KEYS), total_steps=self.total_steps,
             mesh_key=(tuple(self.mesh.shape.items()), tuple(d.id for d in self.mesh.devices.flat)),
             state_shardings=jax.tree.map(lambda x: x.sharding, self.state),

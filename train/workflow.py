@@ -138,7 +138,7 @@ def final_eval(cfg, trainer, tokenizer, rows: list[dict], export_dir: Path | Non
         drafter = trainer.drafter()
         dcfg = drafter.config
     k = int(e.block) if e.block is not None else dcfg.block_size
-    proposer, params = proposers.dflash(drafter, dcfg)
+    proposer, params = proposers.dflash(drafter, dcfg, zero_features=bool(cfg.features.zero))
     ngram, _ = proposers.ngram()
     drafts = [Draft("dflash", proposer, params, k, dcfg.block_size),
               Draft("ngram", ngram, None, int(e.ngram_block), None)]

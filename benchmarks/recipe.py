@@ -1,0 +1,135 @@
+"""The benchmark recipe: real draft-quality numbers for SmolLM2-135M drafters on this machine.
+
+  .venv/bin/python benchmarks/recipe.py [--scale full|quick] [--out docs/results/recipe-full] [--only train|eval]
+
+What it runs (each step resumes: regenerated data, checkpoints and finished evals are reused):
+  1. the default config's data at a larger size: ShareGPT first turns answered by the target (greedy);
+  2. four drafters with the SAME data, steps, batch and anchors per sequence (so the same training tokens and
+     the same number of blocks; a K=64 block costs ~4x a K=16 block in compute):
+       k16            K=16, gamma 7 (the paper's)
+       k64            K=64, gamma 18.47 (train.objective.default_gamma)
+       k64-gamma7     K=64, gamma 7: is a K=16 decay better for a wide block?
+       k64-nofeat     K=64 with the target features zeroed (training and eval): what the features are worth
+  3. HumanEval, GSM8K and MT-Bench turn 1 (chat template, greedy, batch 1, `max_new_tokens` new tokens): plain
+     decoding once per prompt, then every drafter and n-gram (K=8) on the same prompt, through infer/eval.py's
+     `run_comparison` (lossless check included). Writes <out>/eval-<dataset>.json, <out>/table.md and
+     <out>/acceptance-<dataset>.png, plus <out>/train.json with each run's wall time and final metrics.
+
+Scales: `full` is the README's results run (hours on a 2-core CPU); `quick` checks the recipe end to end in
+minutes (numbers meaningless).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+SCALES = {
+    # limit: conversations read (the default run reads 216); steps x batch x anchors: the training budget.
+    "full": {"limit": 1216, "steps": 600, "batch": 2, "anchors": 16, "prompts": 10, "new_tokens": 256},
+    "quick": {"limit": 216, "steps": 4, "batch": 2, "anchors": 4, "prompts": 1, "new_tokens": 16},
+}
+RUNS = {
+    "k16": ["block_size=16"],
+    "k64": ["block_size=64"],
+    "k64-gamma7": ["block_size=64", "gamma=7.0"],
+    "k64-nofeat": ["block_size=64", "features.zero=true"],
+}
+DATASETS = ("humaneval", "gsm8k", "mtbench")
+
+
+def train_all(scale: dict, out: Path, runs_dir: Path) -> dict:
+    """Each drafter through train/run.py in its own process (its log next to the results); returns walls."""
+    info = json.loads((out / "train.json").read_text()) if (out / "train.json").exists() else {}
+    for name, extra in RUNS.items():
+        run_dir = runs_dir / name
+        args = [sys.executable, str(REPO / "train" / "run.py"), "--config", "smollm2-135m", *extra,
+                f"run_dir={run_dir}", f"data.regenerate.limit={scale['limit']}", f"train.steps={scale['steps']}",
+                f"train.batch_size={scale['batch']}", f"num_anchors={scale['anchors']}", "train.epochs=100",
+                f"checkpoint.every_steps={max(scale['steps'] // 6, 1)}", "eval.enabled=false"]
+        print(f"[recipe] training {name}: {' '.join(args[2:])}", flush=True)
+        t0 = time.perf_counter()
+        with (out / f"train-{name}.log").open("a") as log:
+            subprocess.run(args, check=True, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        wall = time.perf_counter() - t0
+        metrics = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        last = metrics[-10:]
+        prior = info.get(name, {})
+        info[name] = {
+            "overrides": extra, "run_dir": str(run_dir), "steps": metrics[-1]["step"],
+            # A resumed run's wall only covers what was left; keep the first (full) measurement.
+            "wall_s": prior.get("wall_s", wall) if prior.get("steps") == metrics[-1]["step"] else wall,
+            "final_loss_mean10": sum(m["loss"] for m in last) / len(last),
+            "final_sim_tau_mean10": sum(m["sim_tau"] for m in last) / len(last),
+            "tokens_per_s_median": sorted(m["tokens_per_s"] for m in metrics)[len(metrics) // 2],
+            "anchors_per_s_median": sorted(m["anchors_per_s"] for m in metrics)[len(metrics) // 2],
+        }
+        (out / "train.json").write_text(json.dumps(info, indent=1))
+    return info
+
+
+def eval_all(scale: dict, out: Path, runs_dir: Path) -> None:
+    import jax
+
+    from dflash_model.drafter_weights import load_drafter
+    from dflash_model.tokenizer import stop_token_ids
+    from infer import proposers
+    from infer.eval import dataset_messages, encode, format_comparison, plot_comparison, run_comparison
+    from infer.loading import Draft, load_target_spec
+
+    target = load_target_spec("smollm2")
+    drafts = []
+    for name, extra in RUNS.items():
+        cfg, drafter = load_drafter(runs_dir / name / "export", target.config, dtype=target.config.dtype)
+        proposer, params = proposers.dflash(drafter, cfg, zero_features="features.zero=true" in extra)
+        drafts.append(Draft(name, proposer, params, cfg.block_size, cfg.block_size))
+    ngram, _ = proposers.ngram()
+    drafts.append(Draft("ngram", ngram, None, 8, None))
+    tables = []
+    for ds in DATASETS:
+        path = out / f"eval-{ds}.json"
+        if path.exists():
+            reports = json.loads(path.read_text())["reports"]
+        else:
+            rows = dataset_messages(ds, scale["prompts"])
+            t0 = time.perf_counter()
+            reports = run_comparison(target.model, drafts, encode(rows, target.tokenizer),
+                                     max_new_tokens=scale["new_tokens"], stop_ids=tuple(stop_token_ids(target.tokenizer)),
+                                     ids=[r["id"] for r in rows])
+            path.write_text(json.dumps({
+                "dataset": ds, "prompts": len(rows), "max_new_tokens": scale["new_tokens"],
+                "wall_s": time.perf_counter() - t0, "device": str(jax.devices()[0]), "machine": platform.processor()
+                or platform.machine(), "reports": reports}, indent=1))
+        plot_comparison(reports, out / f"acceptance-{ds}.png", title=f"SmolLM2-135M drafters on {ds}")
+        tables.append(f"### {ds}\n\n{format_comparison(reports)}\n")
+    (out / "table.md").write_text("\n".join(tables))
+    print("\n".join(tables))
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--scale", choices=sorted(SCALES), default="full")
+    ap.add_argument("--out", default=None, help="default docs/results/recipe-<scale>")
+    ap.add_argument("--runs", default=None, help="training run directories; default runs/recipe-<scale>")
+    ap.add_argument("--only", choices=["train", "eval"], default=None)
+    args = ap.parse_args(argv)
+    scale = SCALES[args.scale]
+    out = Path(args.out or REPO / "docs" / "results" / f"recipe-{args.scale}")
+    runs_dir = Path(args.runs or REPO / "runs" / f"recipe-{args.scale}")
+    out.mkdir(parents=True, exist_ok=True)
+    if args.only != "eval":
+        train_all(scale, out, runs_dir)
+    if args.only != "train":
+        eval_all(scale, out, runs_dir)
+
+
+if __name__ == "__main__":
+    main()
