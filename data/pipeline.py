@@ -5,17 +5,19 @@ Design:
   target features of its own sequence strictly before its anchor; packing would need segment ids threaded
   through the target forward and the drafter's block mask, and one static shape [B, max_len] keeps the train
   step to a single compile. The price is padding compute on short sequences.
-- Order of a host's stream: records -> global shuffle (a new permutation every epoch, the same on every host
-  because it depends only on `seed`) -> keep the first N - N % shard_count -> this host's stride
-  `[shard_index::shard_count]` -> repeat for `num_epochs` -> pad -> anchors -> batch (drop remainder).
-  Sharding before batching with equal shard sizes gives every host the same number of batches, which a
-  multi-host step needs (a host that ran out first would hang the others in a collective). The at most
-  shard_count - 1 records cut per epoch change from epoch to epoch, because the cut follows the shuffle.
-- Anchors are drawn by a grain `random_map` after `repeat`: grain seeds a Philox generator from
-  (anchor_seed, k), where k is the element's position in this host's repeated stream and
-  anchor_seed = np.random.SeedSequence([seed, shard_index]).generate_state(1)[0]. The same seed gives the same
-  anchors; the same record gets new anchors in the next epoch because its k differs; a resumed iterator
-  redraws exactly what the uninterrupted one drew.
+- One global stream, the same on every host because it depends only on `seed`: records -> shuffle (a new
+  permutation every epoch) -> repeat for `num_epochs` -> cut to a whole number of global batches
+  (batch_size * shard_count rows) -> pad -> anchors. A host takes the stride `[shard_index::shard_count]` of it
+  and batches that, so the rows of global step s are the stream's rows s*G .. s*G+G-1 (G the global batch)
+  whatever the host count: 1 or N processes train on the same global batches (in a different row order).
+  The cut gives every host the same number of batches, which a multi-host step needs (a host that ran out
+  first would hang the others in a collective); it drops at most G - 1 rows at the very end, the rows a
+  single host's drop-remainder batching drops.
+- Anchors are drawn by a grain `random_map` on the global stream: grain seeds a Philox generator from
+  (anchor_seed, k), where k is the element's position in the repeated global stream and
+  anchor_seed = np.random.SeedSequence([seed, 0]).generate_state(1)[0]. The same seed gives the same
+  anchors on any number of hosts; the same record gets new anchors in the next epoch because its k differs; a
+  resumed iterator redraws exactly what the uninterrupted one drew.
 - Tokenized records are cached as flat .npy files (memory-mapped, so grain worker processes share the pages)
   in a directory next to the input, named by a hash of the input's content, the tokenizer, its chat
   template, max_len and the thinking flag: any change tokenizes again, nothing is ever stale.
@@ -287,17 +289,17 @@ def build_dataset(
         records = records_or_path
     else:
         records = load_tokenized(records_or_path, tok, max_len, thinking=thinking, limit=limit, cache_dir=cache_dir)
-    keep = len(records) - len(records) % shard_count
-    per_host = keep // shard_count
+    per_host = len(records) // shard_count
     if per_host < batch_size:
         raise ValueError(f"{len(records)} records over {shard_count} hosts leave {per_host} per host, "
                          f"fewer than one batch of {batch_size}")
     pad_id = getattr(tok, "pad_token_id", None) if tok is not None else None
-    ds = grain.MapDataset.source(records).seed(seed).shuffle()
-    ds = ds[:keep][shard_index::shard_count].repeat(num_epochs)
+    ds = grain.MapDataset.source(records).seed(seed).shuffle().repeat(num_epochs)
+    if num_epochs is not None:
+        ds = ds[: len(ds) - len(ds) % (batch_size * shard_count)]
     ds = ds.map(_PadTo(max_len, 0 if pad_id is None else int(pad_id)))
-    if num_anchors:
-        ds = ds.random_map(_Anchors(num_anchors, block_size), seed=anchor_seed(seed, shard_index))
-    ds = ds.batch(batch_size, drop_remainder=True)
+    if num_anchors:  # drawn on the global stream (one seed for all hosts): independent of the host count
+        ds = ds.random_map(_Anchors(num_anchors, block_size), seed=anchor_seed(seed, 0))
+    ds = ds[shard_index::shard_count].batch(batch_size, drop_remainder=True)
     # Records sit in memory or page cache: two threads keep up with a train step without fighting it for cores.
     return ds.to_iter_dataset(read_options or grain.ReadOptions(num_threads=2, prefetch_buffer_size=8))

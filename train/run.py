@@ -57,6 +57,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     target = tokenizer = heldout = None
     if cfg.data.source == "regenerate":
+        if jax.process_count() > 1:  # every process would append to the same JSONL
+            raise ValueError("data.source=regenerate runs in one process: regenerate first (python -m "
+                             "data.regenerate, or this config on one host), then give the JSONL as data.source")
         from dflash_model.tokenizer import load_tokenizer
 
         r = cfg.data.regenerate
@@ -87,7 +90,10 @@ def main(argv: list[str] | None = None) -> dict:
     log.info("done: %s", summary)
 
     finished = trainer.step >= trainer.total_steps and summary["stopped_by"] is None
-    if bool(cfg.eval.enabled) and finished and jax.process_index() == 0:
+    if bool(cfg.eval.enabled) and finished and jax.process_count() > 1:
+        log.warning("eval.enabled: the end-of-run eval decodes on one process; run python -m infer.eval on %s",
+                    summary.get("export", Path(cfg.run_dir) / "export"))
+    elif bool(cfg.eval.enabled) and finished:
         prior = Path(cfg.run_dir, "eval", "eval.json")
         if prior.exists() and json.loads(prior.read_text()).get("trained_steps") == trainer.step:
             log.info("eval of step %d already in %s:\n%s", trainer.step, prior.parent,
