@@ -101,9 +101,9 @@ def eval_all(scale: dict, out: Path, runs_dir: Path) -> None:
         else:
             rows = dataset_messages(ds, scale["prompts"])
             t0 = time.perf_counter()
+            stops = tuple(stop_token_ids(target.tokenizer))
             reports = run_comparison(target.model, drafts, encode(rows, target.tokenizer),
-                                     max_new_tokens=scale["new_tokens"], stop_ids=tuple(stop_token_ids(target.tokenizer)),
-                                     ids=[r["id"] for r in rows])
+                                     max_new_tokens=scale["new_tokens"], stop_ids=stops, ids=[r["id"] for r in rows])
             path.write_text(json.dumps({
                 "dataset": ds, "prompts": len(rows), "max_new_tokens": scale["new_tokens"],
                 "wall_s": time.perf_counter() - t0, "device": str(jax.devices()[0]), "machine": platform.processor()
