@@ -294,7 +294,8 @@ class Trainer:
         return int(self.state["step"])
 
     def drafter(self):
-        return nnx.merge(self.d_graph, self.state["params"])
+        """The current drafter, on its own buffers: the train step donates (and so deletes) the state's."""
+        return nnx.merge(self.d_graph, jax.tree.map(jnp.copy, self.state["params"]))
 
     def restore(self) -> int | None:
         """Load the newest checkpoint that reads back whole; warn and fall back past damaged ones."""
