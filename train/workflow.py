@@ -89,7 +89,8 @@ def announce_start(cfg, *, regen_todo: int = 0) -> None:
     if regen_todo:
         r = cfg.data.regenerate
         mins = regen_todo * int(r.max_new_tokens) * 0.8 / REGEN_TOKENS_PER_S / 60
-        parts.append(f"regenerate {regen_todo} replies with the target (~{mins:.0f} min, once: cached for later runs)")
+        parts.append(f"regenerate up to {regen_todo} replies with the target (~{mins:.0f} min, once: cached "
+                     "for later runs)")
     steps = cfg.train.steps if cfg.train.steps is not None else f"{cfg.train.epochs} epochs of"
     parts.append(f"train a K={cfg.block_size} drafter for {steps} steps of {cfg.train.batch_size} sequences, "
                  f"checkpointing to {cfg.checkpoint.dir or Path(cfg.run_dir) / 'checkpoints'}")
@@ -117,7 +118,7 @@ def eval_rows(cfg, heldout: list[dict] | None) -> list[dict]:
         rows = heldout
     else:
         rows = dataset_messages(str(e.prompts))
-    return rows[: int(e.num_prompts)]
+    return rows  # final_eval drops prompts over eval.max_prompt_tokens, then keeps eval.num_prompts
 
 
 def final_eval(cfg, trainer, tokenizer, rows: list[dict], export_dir: Path | None) -> dict:
@@ -147,6 +148,7 @@ def final_eval(cfg, trainer, tokenizer, rows: list[dict], export_dir: Path | Non
     if len(keep) < len(prompts):
         log.info("eval: %d of %d prompts are longer than eval.max_prompt_tokens=%s; skipped",
                  len(prompts) - len(keep), len(prompts), e.max_prompt_tokens)
+    keep = keep[: int(e.num_prompts)]
     prompts, ids = [prompts[i] for i in keep], [rows[i]["id"] for i in keep]
     if not prompts:
         raise ValueError("no eval prompt left; raise eval.max_prompt_tokens or eval.num_prompts")
@@ -157,11 +159,15 @@ def final_eval(cfg, trainer, tokenizer, rows: list[dict], export_dir: Path | Non
     out.mkdir(parents=True, exist_ok=True)
     summary = {"prompts": str(e.prompts), "num_prompts": len(prompts), "wall_s": time.perf_counter() - t0,
                "trained_steps": trainer.step, "drafter": str(export_dir or "in-memory"), "reports": reports}
-    (out / "eval.json").write_text(json.dumps(summary, indent=1))
     plot_comparison(reports, out / "acceptance.png",
                     title=f"held-out acceptance after {trainer.step} steps" if e.prompts == "heldout" else "")
-    table = format_comparison(reports)
+    d, n = reports["dflash"]["tau"], reports["ngram"]["tau"]
+    verdict = (f"DFlash tau {d:.3f} vs n-gram tau {n:.3f} on these prompts: the drafter "
+               f"{'beats' if d > n else 'does not beat'} n-gram after {trainer.step} steps")
+    summary["verdict"] = verdict
+    table = format_comparison(reports) + "\n\n" + verdict
     (out / "table.md").write_text(table + "\n\n" + format_table(reports["dflash"]) + "\n")
+    (out / "eval.json").write_text(json.dumps(summary, indent=1))
     print(table, flush=True)
     log.info("eval written to %s (eval.json, table.md, acceptance.png) in %.1f min", out, summary["wall_s"] / 60)
     return summary
