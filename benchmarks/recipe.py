@@ -117,12 +117,14 @@ def eval_all(scale: dict, out: Path, runs_dir: Path) -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--scale", choices=sorted(SCALES), default="full")
-    ap.add_argument("--out", default=None, help="default docs/results/recipe-<scale>")
+    ap.add_argument("--out", default=None, help="default docs/results/recipe-full (full), runs/recipe-quick (quick)")
     ap.add_argument("--runs", default=None, help="training run directories; default runs/recipe-<scale>")
     ap.add_argument("--only", choices=["train", "eval"], default=None)
     args = ap.parse_args(argv)
     scale = SCALES[args.scale]
-    out = Path(args.out or REPO / "docs" / "results" / f"recipe-{args.scale}")
+    # Only the full scale's numbers mean anything: the quick check writes under runs/, not docs/.
+    default_out = REPO / "docs" / "results" / "recipe-full" if args.scale == "full" else REPO / "runs" / "recipe-quick"
+    out = Path(args.out or default_out)
     runs_dir = Path(args.runs or REPO / "runs" / f"recipe-{args.scale}")
     out.mkdir(parents=True, exist_ok=True)
     if args.only != "eval":
