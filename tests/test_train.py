@@ -189,3 +189,10 @@ def test_offline_features_match_online(run30, tmp_path):
     stamp = (run_dir / "features" / "meta.json").stat().st_mtime_ns
     Trainer(load_config("tiny", [f"run_dir={run_dir}", "features.mode=offline"]), restore=False)
     assert (run_dir / "features" / "meta.json").stat().st_mtime_ns == stamp  # a complete cache is reused
+
+
+def test_time_target_forward_runs_on_a_pipeline_batch(run30):
+    """The throughput benchmark's target-forward timing takes a batch straight from the pipeline."""
+    tr = run30[1]
+    seconds = tr.time_target_forward(next(iter(tr.dataset)), repeats=1)
+    assert 0.0 < seconds < 60.0

@@ -501,7 +501,7 @@ class Trainer:
         fn = jax.jit(lambda t, ids: forward(nnx.merge(self.t_graph, t), ids,
                                             layer_ids=self.drafter_cfg.target_layer_ids,
                                             compute_logits=False).features)
-        ids = self.put_batch({"x": host_batch["input_ids"]})["x"]
+        ids = self.put_batch({"input_ids": host_batch["input_ids"]})["input_ids"]
         fn(self.t_state, ids).block_until_ready()
         t0 = time.perf_counter()
         for _ in range(repeats):
