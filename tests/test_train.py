@@ -6,6 +6,7 @@ directory, so the compiled step is reused (same Program) and the file costs one 
 """
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -195,4 +196,4 @@ def test_time_target_forward_runs_on_a_pipeline_batch(run30):
     """The throughput benchmark's target-forward timing takes a batch straight from the pipeline."""
     tr = run30[1]
     seconds = tr.time_target_forward(next(iter(tr.dataset)), repeats=1)
-    assert 0.0 < seconds < 60.0
+    assert math.isfinite(seconds) and seconds > 0.0
