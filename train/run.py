@@ -7,7 +7,6 @@ n-gram drafting on held-out prompts (train/workflow.py).
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 from pathlib import Path
@@ -89,23 +88,9 @@ def main(argv: list[str] | None = None) -> dict:
     summary = trainer.train()
     log.info("done: %s", summary)
 
-    finished = trainer.step >= trainer.total_steps and summary["stopped_by"] is None
-    if bool(cfg.eval.enabled) and finished and jax.process_count() > 1:
-        log.warning("eval.enabled: the end-of-run eval decodes on one process; run python -m infer.eval on %s",
-                    summary.get("export", Path(cfg.run_dir) / "export"))
-    elif bool(cfg.eval.enabled) and finished:
-        prior = Path(cfg.run_dir, "eval", "eval.json")
-        if prior.exists() and json.loads(prior.read_text()).get("trained_steps") == trainer.step:
-            log.info("eval of step %d already in %s:\n%s", trainer.step, prior.parent,
-                     Path(prior.parent, "table.md").read_text())
-        else:
-            if tokenizer is None and (cfg.data.tokenizer or trainer.tokenizer_path):
-                from dflash_model.tokenizer import load_tokenizer
-
-                tokenizer = load_tokenizer(cfg.data.tokenizer or trainer.tokenizer_path)
-            rows = workflow.eval_rows(cfg, heldout)
-            export = Path(summary["export"]) if summary.get("export") else None
-            summary["eval"] = workflow.final_eval(cfg, trainer, tokenizer, rows, export)["reports"]
+    reports = workflow.end_of_run_eval(cfg, trainer, summary, tokenizer, heldout)
+    if reports is not None:
+        summary["eval"] = reports
     return summary
 
 

@@ -121,6 +121,31 @@ def eval_rows(cfg, heldout: list[dict] | None) -> list[dict]:
     return rows  # final_eval drops prompts over eval.max_prompt_tokens, then keeps eval.num_prompts
 
 
+def end_of_run_eval(cfg, trainer, summary: dict, tokenizer, heldout: list[dict] | None) -> dict | None:
+    """After a finished run with eval.enabled: the reports of `final_eval`, or None when there is nothing to do
+    (not enabled, stopped early, several processes, or an eval of this very step already on disk)."""
+    import jax
+
+    finished = trainer.step >= trainer.total_steps and summary["stopped_by"] is None
+    if not bool(cfg.eval.enabled) or not finished:
+        return None
+    if jax.process_count() > 1:
+        log.warning("eval.enabled: the end-of-run eval decodes on one process; run python -m infer.eval on %s",
+                    summary.get("export", Path(cfg.run_dir) / "export"))
+        return None
+    prior = Path(cfg.run_dir, "eval", "eval.json")
+    if prior.exists() and json.loads(prior.read_text()).get("trained_steps") == trainer.step:
+        log.info("eval of step %d already in %s:\n%s", trainer.step, prior.parent,
+                 Path(prior.parent, "table.md").read_text())
+        return None
+    if tokenizer is None and (cfg.data.tokenizer or trainer.tokenizer_path):
+        from dflash_model.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(cfg.data.tokenizer or trainer.tokenizer_path)
+    export = Path(summary["export"]) if summary.get("export") else None
+    return final_eval(cfg, trainer, tokenizer, eval_rows(cfg, heldout), export)["reports"]
+
+
 def final_eval(cfg, trainer, tokenizer, rows: list[dict], export_dir: Path | None) -> dict:
     """Decode `rows` plainly, with the trained drafter and with n-gram; write <run_dir>/eval/ and print a table."""
     from dflash_model.tokenizer import stop_token_ids
