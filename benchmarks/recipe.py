@@ -77,22 +77,20 @@ def train_all(scale: dict, out: Path, runs_dir: Path) -> dict:
 
 
 def eval_all(scale: dict, out: Path, runs_dir: Path) -> None:
+    import dataclasses
+
     import jax
 
-    from dflash_model.drafter_weights import load_drafter
     from dflash_model.tokenizer import stop_token_ids
-    from infer import proposers
     from infer.eval import dataset_messages, encode, format_comparison, plot_comparison, run_comparison
-    from infer.loading import Draft, load_target_spec
+    from infer.loading import load_draft_spec, load_target_spec
 
     target = load_target_spec("smollm2")
-    drafts = []
-    for name, extra in RUNS.items():
-        cfg, drafter = load_drafter(runs_dir / name / "export", target.config, dtype=target.config.dtype)
-        proposer, params = proposers.dflash(drafter, cfg, zero_features="features.zero=true" in extra)
-        drafts.append(Draft(name, proposer, params, cfg.block_size, cfg.block_size))
-    ngram, _ = proposers.ngram()
-    drafts.append(Draft("ngram", ngram, None, 8, None))
+    drafts = [dataclasses.replace(load_draft_spec(str(runs_dir / name / "export"), target.config,
+                                                  dtype=target.config.dtype,
+                                                  zero_features="features.zero=true" in extra), name=name)
+              for name, extra in RUNS.items()]
+    drafts.append(load_draft_spec("ngram", target.config, 8))
     tables = []
     for ds in DATASETS:
         path = out / f"eval-{ds}.json"

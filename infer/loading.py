@@ -47,9 +47,11 @@ class Draft:
     max_block: int | None  # largest allowed K (None: unbounded, n-gram)
 
 
-def load_draft_spec(spec: str, target_cfg, block: int | None = None, seed: int = 0) -> Draft:
+def load_draft_spec(spec: str, target_cfg, block: int | None = None, seed: int = 0, *, dtype: str | None = None,
+                    zero_features: bool = False) -> Draft:
     """'none' (plain decoding), 'ngram' (prompt lookup), 'random' (untrained DFlash drafter preset for the
-    target) or a DFlash drafter directory."""
+    target) or a DFlash drafter directory. dtype: a directory's compute dtype (default: as saved);
+    zero_features: the features.zero ablation (the drafter sees zeros instead of target features)."""
     if spec == "none":
         if block not in (None, 1):
             raise ValueError("--draft none decodes one token per step: --block must be 1 or left out")
@@ -64,11 +66,11 @@ def load_draft_spec(spec: str, target_cfg, block: int | None = None, seed: int =
     else:
         if not Path(spec).is_dir():
             raise ValueError(f"--draft {spec!r}: expected none, ngram, random or a drafter directory")
-        cfg, drafter = drafter_weights.load_drafter(spec, target_cfg)
+        cfg, drafter = drafter_weights.load_drafter(spec, target_cfg, dtype=dtype)
     k = block or cfg.block_size
     if not 2 <= k <= cfg.block_size:
         raise ValueError(f"--block {k}: this drafter was trained with K={cfg.block_size}; use 2..{cfg.block_size}")
-    proposer, params = proposers.dflash(drafter, cfg)
+    proposer, params = proposers.dflash(drafter, cfg, zero_features=zero_features)
     return Draft("random" if spec == "random" else "dflash", proposer, params, k, cfg.block_size)
 
 

@@ -151,23 +151,20 @@ def final_eval(cfg, trainer, tokenizer, rows: list[dict], export_dir: Path | Non
     from dflash_model.tokenizer import stop_token_ids
     from infer import proposers
     from infer.eval import encode, format_comparison, format_table, plot_comparison, run_comparison
-    from infer.loading import Draft
+    from infer.loading import Draft, load_draft_spec
 
     e = cfg.eval
     target_cfg = trainer.target_cfg
+    block = int(e.block) if e.block is not None else None
+    zero = bool(cfg.features.zero)
     if export_dir is not None:
         # The exported files, as a server would load them (bf16 values, computed in the target's dtype).
-        from dflash_model.drafter_weights import load_drafter
-
-        dcfg, drafter = load_drafter(export_dir, target_cfg, dtype=target_cfg.dtype)
+        dflash = load_draft_spec(str(export_dir), target_cfg, block, dtype=target_cfg.dtype, zero_features=zero)
     else:
         drafter = trainer.drafter()
-        dcfg = drafter.config
-    k = int(e.block) if e.block is not None else dcfg.block_size
-    proposer, params = proposers.dflash(drafter, dcfg, zero_features=bool(cfg.features.zero))
-    ngram, _ = proposers.ngram()
-    drafts = [Draft("dflash", proposer, params, k, dcfg.block_size),
-              Draft("ngram", ngram, None, int(e.ngram_block), None)]
+        proposer, params = proposers.dflash(drafter, drafter.config, zero_features=zero)
+        dflash = Draft("dflash", proposer, params, block or drafter.config.block_size, drafter.config.block_size)
+    drafts = [dflash, load_draft_spec("ngram", target_cfg, int(e.ngram_block))]
     prompts = encode(rows, tokenizer)
     keep = [i for i, p in enumerate(prompts) if len(p) <= int(e.max_prompt_tokens)]
     if len(keep) < len(prompts):
