@@ -127,12 +127,15 @@ def embed(model: nnx.Module, tokens_BT):
 
 def lm_head(model: nnx.Module, hidden_BTD):
     """Logits in fp32 from final-normed hidden states (tied models use the embedding table)."""
-    cfg = config_of(model)
-    if cfg.tie_word_embeddings:
-        w_DV = model.embedder.input_embedding[...].T
-    else:
-        w_DV = model.lm_head.w[...]
+    w_DV = lm_head_weight(model)
     return jnp.einsum("...D,DV->...V", hidden_BTD, w_DV.astype(hidden_BTD.dtype)).astype(jnp.float32)
+
+
+def lm_head_weight(model: nnx.Module):
+    """The [D, V] output projection (tied models use the embedding table)."""
+    if config_of(model).tie_word_embeddings:
+        return model.embedder.input_embedding[...].T
+    return model.lm_head.w[...]
 
 
 def final_norm(model: nnx.Module, hidden):

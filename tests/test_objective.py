@@ -9,8 +9,8 @@ from conftest import tiny_target
 from flax import nnx
 
 from dflash_model.drafter import DraftCache, build_drafter, draft_logits, drafter_config_for, extend_context
-from dflash_model.target import forward
-from train.objective import block_labels, default_gamma, dflash_loss, position_weights
+from dflash_model.target import forward, lm_head
+from train.objective import block_labels, chunked_cross_entropy, default_gamma, dflash_loss, position_weights
 
 K = 6
 LAYER_IDS = (0, 2)
@@ -74,6 +74,32 @@ def test_loss_equals_per_block_recomputation(setup):
     assert int(metrics["valid_labels"]) == int(valid.sum())
     acc = np.asarray(metrics["acc"])
     np.testing.assert_allclose(float(metrics["sim_tau"]), 1 + np.cumprod(acc).sum(), rtol=1e-6)
+
+
+def test_fused_cross_entropy_matches_the_plain_formula(setup):
+    """The fused chunked CE (gradient formed in the forward pass) equals log-softmax CE through the full
+    logits: values, argmax-correctness and d loss / d hidden, with a chunk that does not divide M."""
+    target = setup[0]
+    d, v = target.target_config.hidden_size, target.target_config.vocab_size
+    h = jax.random.normal(jax.random.key(0), (23, d))
+    y = jax.random.randint(jax.random.key(1), (23,), 0, v)
+    g = jax.random.uniform(jax.random.key(2), (23,))  # a non-uniform upstream cotangent
+
+    def plain(h):
+        logits = lm_head(target, h)
+        nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], axis=-1)[:, 0]
+        return jnp.sum(g * nll), (nll, jnp.argmax(logits, -1) == y)
+
+    def fused(h):
+        nll, correct = chunked_cross_entropy(target, h, y, chunk=5)
+        return jnp.sum(g * nll), (nll, correct)
+
+    (l0, (nll0, c0)), g0 = jax.value_and_grad(plain, has_aux=True)(h)
+    (l1, (nll1, c1)), g1 = jax.jit(jax.value_and_grad(fused, has_aux=True))(h)
+    np.testing.assert_allclose(np.asarray(nll1), np.asarray(nll0), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(c1), np.asarray(c0))
+    np.testing.assert_allclose(np.asarray(g1), np.asarray(g0), rtol=1e-4, atol=1e-6)
+    assert float(jnp.abs(g0).sum()) > 0
 
 
 def test_gradients_respect_the_isolation_mask(setup):

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_model.drafter import train_logits
-from dflash_model.target import lm_head
+from dflash_model.target import lm_head_weight
 
 # Paper values (K=8, 10, 16). Other K: gamma grows like K**0.7 through gamma(16) = 7 (a power law fitted to
 # the three published points: it gives 4.3, 5.0, 7.0 there): gamma(64) = 18.5 and gamma(128) = 30.0, so the last
@@ -45,26 +45,54 @@ def block_labels(tokens_BT, loss_mask_BT, anchors_BN, block_size: int):
 
 
 def chunked_cross_entropy(target_model, hidden_MD, labels_M, chunk: int):
-    """Per-row NLL and argmax-correctness through the target's lm_head, `chunk` rows at a time.
+    """Per-row NLL and argmax-correctness through the target's (frozen) lm_head, `chunk` rows at a time.
 
-    The [M, V] logits never exist at once: each chunk's logits are recomputed in the backward pass
-    (jax.checkpoint), so K=128 with hundreds of anchors fits where full logits (M x 152k vocab) would not.
+    The [M, V] logits never exist at once, and each chunk's logits are computed once: the forward pass also
+    forms d nll / d hidden = (softmax - onehot) @ W^T and keeps only that [M, D] residual, so a training step
+    costs two C x D x V matmuls per chunk instead of three (forward, rematerialised forward, backward) and
+    holds no logits for the backward pass. Hand-written because no JAX library we use ships a fused
+    linear cross-entropy; `tests/test_objective.py` checks values and gradients against the plain formula.
     """
+    w_DV = jax.lax.stop_gradient(lm_head_weight(target_model)).astype(hidden_MD.dtype)
     m, d = hidden_MD.shape
     n_chunks = math.ceil(m / chunk)
     pad = n_chunks * chunk - m
     h = jnp.pad(hidden_MD, ((0, pad), (0, 0))).reshape(n_chunks, chunk, d)
     y = jnp.pad(labels_M, (0, pad)).reshape(n_chunks, chunk)
-
-    @jax.checkpoint
-    def one(args):
-        h_CD, y_C = args
-        logits = lm_head(target_model, h_CD)
-        nll = jax.nn.logsumexp(logits, axis=-1) - jnp.take_along_axis(logits, y_C[:, None], axis=-1)[:, 0]
-        return nll, (jnp.argmax(logits, axis=-1) == y_C)
-
-    nll, correct = jax.lax.map(one, (h, y))
+    nll, correct = _fused_ce(h, y, w_DV)
     return nll.reshape(-1)[:m], correct.reshape(-1)[:m]
+
+
+def _ce_chunk(h_CD, y_C, w_DV, with_grad: bool):
+    logits = jnp.einsum("CD,DV->CV", h_CD, w_DV).astype(jnp.float32)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    nll = lse - jnp.take_along_axis(logits, y_C[:, None], axis=-1)[:, 0]
+    correct = jnp.argmax(logits, axis=-1) == y_C
+    if not with_grad:
+        return nll, correct
+    p = jnp.exp(logits - lse[:, None])
+    p = p - jax.nn.one_hot(y_C, p.shape[-1], dtype=p.dtype)
+    return nll, correct, jnp.einsum("CV,DV->CD", p.astype(w_DV.dtype), w_DV).astype(h_CD.dtype)
+
+
+@jax.custom_vjp
+def _fused_ce(h_NCD, y_NC, w_DV):
+    return jax.lax.map(lambda a: _ce_chunk(*a, w_DV, with_grad=False), (h_NCD, y_NC))
+
+
+def _fused_ce_fwd(h_NCD, y_NC, w_DV):
+    nll, correct, dh = jax.lax.map(lambda a: _ce_chunk(*a, w_DV, with_grad=True), (h_NCD, y_NC))
+    return (nll, correct), (dh,)
+
+
+def _fused_ce_bwd(res, cotangents):
+    (dh,) = res
+    g_nll, _ = cotangents
+    # The lm_head is the frozen target's: its cotangent is zero by contract (the trainer never updates it).
+    return dh * g_nll[..., None].astype(dh.dtype), None, None
+
+
+_fused_ce.defvjp(_fused_ce_fwd, _fused_ce_bwd)
 
 
 def dflash_loss(drafter, target_model, features_BTF, tokens_BT, loss_mask_BT, anchors_BN, *, block_size: int,
