@@ -55,6 +55,7 @@ def chunked_cross_entropy(target_model, hidden_MD, labels_M, chunk: int):
     """
     w_DV = jax.lax.stop_gradient(lm_head_weight(target_model)).astype(hidden_MD.dtype)
     m, d = hidden_MD.shape
+    chunk = min(chunk, m)  # never pad a short batch up to a whole chunk (K=16 x 16 anchors is 256 rows, not 1024)
     n_chunks = math.ceil(m / chunk)
     pad = n_chunks * chunk - m
     h = jnp.pad(hidden_MD, ((0, pad), (0, 0))).reshape(n_chunks, chunk, d)
