@@ -115,6 +115,37 @@ def eval_all(scale: dict, out: Path, runs_dir: Path) -> None:
         tables.append(f"### {ds}\n\n{format_comparison(reports)}\n")
     (out / "table.md").write_text("\n".join(tables))
     print("\n".join(tables))
+    summary = summarize(out)
+    (out / "summary.md").write_text(summary)
+    print(summary)
+
+
+def summarize(out: Path) -> str:
+    """One row per decoder over every dataset: how it was trained, tau and speedup per dataset, lossless."""
+    train = json.loads((out / "train.json").read_text()) if (out / "train.json").exists() else {}
+    evals = {ds: json.loads((out / f"eval-{ds}.json").read_text()) for ds in DATASETS
+             if (out / f"eval-{ds}.json").exists()}
+    if not evals:
+        return ""
+    first = next(iter(evals.values()))
+    head = (f"{first['prompts']} prompts per dataset, up to {first['max_new_tokens']} new tokens, greedy, batch 1; "
+            "tau = committed tokens per verify round (bonus included); speedup = plain TPOT / speculative TPOT")
+    cols = " | ".join(f"{ds} tau | {ds} speedup" for ds in evals)
+    lines = [head, "", f"| decoder | K | train wall | final loss | {cols} | lossless |",
+             "|---|---:|---:|---:|" + "---:|---:|" * len(evals) + "---|"]
+    plain = " | ".join(f"1.000 | 1.00x ({e['reports'][next(iter(e['reports']))]['tpot_plain_ms']:.0f} ms)"
+                       for e in evals.values())
+    lines.append(f"| plain | 1 | - | - | {plain} | - |")
+    for name in next(iter(evals.values()))["reports"]:
+        rs = [e["reports"][name] for e in evals.values()]
+        t = train.get(name, {})
+        wall = f"{t['wall_s'] / 60:.1f} min" if t else "-"
+        loss = f"{t['final_loss_mean10']:.2f}" if t else "-"
+        cells = " | ".join(f"{r['tau']:.3f} | {r['speedup']:.2f}x" for r in rs)
+        n = sum(r["prompts"] for r in rs)
+        bad = sum(r["lossless_mismatches"] for r in rs)
+        lines.append(f"| {name} | {rs[0]['block_size']} | {wall} | {loss} | {cells} | {n - bad}/{n} equal |")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> None:
