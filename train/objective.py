@@ -77,12 +77,12 @@ def _ce_chunk(h_CD, y_C, w_DV, with_grad: bool):
 
 
 @jax.custom_vjp
-def _fused_ce(h_NCD, y_NC, w_DV):
-    return jax.lax.map(lambda a: _ce_chunk(*a, w_DV, with_grad=False), (h_NCD, y_NC))
+def _fused_ce(h_chunks, y_chunks, w_DV):
+    return jax.lax.map(lambda a: _ce_chunk(*a, w_DV, with_grad=False), (h_chunks, y_chunks))
 
 
-def _fused_ce_fwd(h_NCD, y_NC, w_DV):
-    nll, correct, dh = jax.lax.map(lambda a: _ce_chunk(*a, w_DV, with_grad=True), (h_NCD, y_NC))
+def _fused_ce_fwd(h_chunks, y_chunks, w_DV):
+    nll, correct, dh = jax.lax.map(lambda a: _ce_chunk(*a, w_DV, with_grad=True), (h_chunks, y_chunks))
     return (nll, correct), (dh,)
 
 
