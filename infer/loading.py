@@ -67,11 +67,16 @@ def load_draft_spec(spec: str, target_cfg, block: int | None = None, seed: int =
         if not Path(spec).is_dir():
             raise ValueError(f"--draft {spec!r}: expected none, ngram, random or a drafter directory")
         cfg, drafter = drafter_weights.load_drafter(spec, target_cfg, dtype=dtype)
+    return dflash_draft("random" if spec == "random" else "dflash", drafter, cfg, block, zero_features=zero_features)
+
+
+def dflash_draft(name: str, drafter, cfg, block: int | None = None, *, zero_features: bool = False) -> Draft:
+    """A DFlash drafter module as a Draft, at K = `block` (default: its trained K; 2..trained K allowed)."""
     k = block or cfg.block_size
     if not 2 <= k <= cfg.block_size:
         raise ValueError(f"--block {k}: this drafter was trained with K={cfg.block_size}; use 2..{cfg.block_size}")
     proposer, params = proposers.dflash(drafter, cfg, zero_features=zero_features)
-    return Draft("random" if spec == "random" else "dflash", proposer, params, k, cfg.block_size)
+    return Draft(name, proposer, params, k, cfg.block_size)
 
 
 _SHAPE_FIELDS = ("family", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",

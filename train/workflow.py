@@ -149,9 +149,8 @@ def end_of_run_eval(cfg, trainer, summary: dict, tokenizer, heldout: list[dict] 
 def final_eval(cfg, trainer, tokenizer, rows: list[dict], export_dir: Path | None) -> dict:
     """Decode `rows` plainly, with the trained drafter and with n-gram; write <run_dir>/eval/ and print a table."""
     from dflash_model.tokenizer import stop_token_ids
-    from infer import proposers
     from infer.eval import encode, format_comparison, format_table, plot_comparison, run_comparison
-    from infer.loading import Draft, load_draft_spec
+    from infer.loading import dflash_draft, load_draft_spec
 
     e = cfg.eval
     target_cfg = trainer.target_cfg
@@ -162,8 +161,7 @@ def final_eval(cfg, trainer, tokenizer, rows: list[dict], export_dir: Path | Non
         dflash = load_draft_spec(str(export_dir), target_cfg, block, dtype=target_cfg.dtype, zero_features=zero)
     else:
         drafter = trainer.drafter()
-        proposer, params = proposers.dflash(drafter, drafter.config, zero_features=zero)
-        dflash = Draft("dflash", proposer, params, block or drafter.config.block_size, drafter.config.block_size)
+        dflash = dflash_draft("dflash", drafter, drafter.config, block, zero_features=zero)
     drafts = [dflash, load_draft_spec("ngram", target_cfg, int(e.ngram_block))]
     prompts = encode(rows, tokenizer)
     keep = [i for i, p in enumerate(prompts) if len(p) <= int(e.max_prompt_tokens)]
