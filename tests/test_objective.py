@@ -9,7 +9,7 @@ from conftest import tiny_target
 from flax import nnx
 
 from dflash_model.drafter import DraftCache, build_drafter, draft_logits, drafter_config_for, extend_context
-from dflash_model.target import forward, lm_head
+from dflash_model.target import final_norm, forward, lm_head
 from train.objective import block_labels, chunked_cross_entropy, default_gamma, dflash_loss, position_weights
 
 K = 6
@@ -48,13 +48,22 @@ def test_labels_are_same_position_and_masked(setup):
     assert valid[1, 2].tolist() == [False, True, True, False, True, True]  # 27 + 3 = 30 is out of the loss mask
 
 
-def test_loss_equals_per_block_recomputation(setup):
-    """The multi-block training pass + chunked CE equals drafting each block alone from a context cache."""
+@pytest.mark.parametrize("loss_positions, soft_weight", [(None, 0.0), (3, 0.0), (None, 0.4)])
+def test_loss_equals_per_block_recomputation(setup, loss_positions, soft_weight):
+    """The multi-block training pass + chunked CE equals drafting each block alone from a context cache; with
+    loss_positions only slots 1..P count, and with a soft weight w the label of slot k is
+    (1-w) onehot + w softmax(the target's logits at a+k-1)."""
     target, drafter, tokens, loss_mask, anchors, features = setup
     gamma = 3.0
+    last = target.target_config.num_hidden_layers - 1
+    teacher = final_norm(target, forward(target, tokens, layer_ids=(last,), compute_logits=False).features)
     loss, metrics = dflash_loss(drafter, target, features, tokens, loss_mask, anchors, block_size=K, gamma=gamma,
-                                ce_chunk=7)  # a chunk size that does not divide M exercises the padding
+                                ce_chunk=7,  # a chunk size that does not divide M exercises the padding
+                                loss_positions=loss_positions, teacher_BTD=teacher, soft_weight=soft_weight)
+    target_p = jax.nn.softmax(np.asarray(forward(target, tokens).logits, np.float64), -1)
     labels, valid = block_labels(tokens, loss_mask, anchors, K)
+    slots = K if loss_positions is None else loss_positions + 1
+    valid = valid.at[:, :, slots:].set(False)
     w = np.asarray(position_weights(K, gamma))
     num = den = 0.0
     for b in range(2):
@@ -68,11 +77,14 @@ def test_loss_equals_per_block_recomputation(setup):
             logp = jax.nn.log_softmax(np.asarray(draft_logits(drafter, target, cache, block)[0], np.float64), -1)
             for k in range(1, K):
                 if valid[b, n, k]:
-                    num += w[k] * -float(logp[k, int(labels[b, n, k])])
+                    q = (1 - soft_weight) * np.eye(logp.shape[-1])[int(labels[b, n, k])]
+                    q = q + soft_weight * target_p[b, a + k - 1]
+                    num += w[k] * -float(np.sum(q * logp[k]))
                     den += w[k]
     np.testing.assert_allclose(float(loss), num / den, rtol=1e-5)
     assert int(metrics["valid_labels"]) == int(valid.sum())
     acc = np.asarray(metrics["acc"])
+    assert acc.shape == (slots - 1,)
     np.testing.assert_allclose(float(metrics["sim_tau"]), 1 + np.cumprod(acc).sum(), rtol=1e-6)
 
 
@@ -100,6 +112,25 @@ def test_fused_cross_entropy_matches_the_plain_formula(setup):
     np.testing.assert_array_equal(np.asarray(c1), np.asarray(c0))
     np.testing.assert_allclose(np.asarray(g1), np.asarray(g0), rtol=1e-4, atol=1e-6)
     assert float(jnp.abs(g0).sum()) > 0
+
+    # With a teacher: soft cross-entropy against (1-w) onehot + w softmax(teacher logits), same checks.
+    t = jax.random.normal(jax.random.key(3), (23, d))
+    q = 0.7 * jax.nn.one_hot(y, v) + 0.3 * jax.nn.softmax(lm_head(target, t))
+
+    def plain_soft(h):
+        logits = lm_head(target, h)
+        ce = -jnp.sum(q * jax.nn.log_softmax(logits), axis=-1)
+        return jnp.sum(g * ce), ce
+
+    def fused_soft(h):
+        ce, _ = chunked_cross_entropy(target, h, y, chunk=5, teacher_MD=t, soft_weight=0.3)
+        return jnp.sum(g * ce), ce
+
+    (_, ce0), gs0 = jax.value_and_grad(plain_soft, has_aux=True)(h)
+    (_, ce1), gs1 = jax.jit(jax.value_and_grad(fused_soft, has_aux=True))(h)
+    np.testing.assert_allclose(np.asarray(ce1), np.asarray(ce0), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(gs1), np.asarray(gs0), rtol=1e-4, atol=1e-6)
+    assert float(jnp.abs(gs0 - g0).max()) > 1e-3  # the teacher changes the gradient
 
 
 def test_gradients_respect_the_isolation_mask(setup):

@@ -197,3 +197,22 @@ def test_time_target_forward_runs_on_a_pipeline_batch(run30):
     tr = run30[1]
     seconds = tr.time_target_forward(next(iter(tr.dataset)), repeats=1)
     assert math.isfinite(seconds) and seconds > 0.0
+
+
+def test_distillation_and_loss_positions_reach_the_step(tmp_path):
+    """distill_weight and loss_positions reach the compiled step: with P=3 the step reports 3 per-position
+    accuracies, and the soft labels change the first step's loss from the same initial drafter (the objective's
+    values are checked in test_objective); offline features cannot serve a teacher, which is refused by name."""
+    losses = {}
+    for w in (0.0, 0.5):
+        run_dir = tmp_path / f"w{w}"
+        tr = Trainer(load_config("tiny", [f"run_dir={run_dir}", "loss_positions=3", f"distill_weight={w}"]),
+                     restore=False)
+        tr.train(max_steps=1)
+        (rec,) = _records(run_dir)
+        assert len(rec["acc"]) == 3 and math.isfinite(rec["loss"])
+        losses[w] = rec["loss"]
+    assert abs(losses[0.5] - losses[0.0]) > 1e-3, losses
+    with pytest.raises(ValueError, match="distill_weight=0.5 needs features.mode=online"):
+        Trainer(load_config("tiny", [f"run_dir={tmp_path / 'off'}", "distill_weight=0.5", "features.mode=offline"]),
+                restore=False)

@@ -6,6 +6,7 @@ M = B*N*K flattened block positions, C rows per cross-entropy chunk.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -44,72 +45,105 @@ def block_labels(tokens_BT, loss_mask_BT, anchors_BN, block_size: int):
     return labels, inside & in_mask
 
 
-def chunked_cross_entropy(target_model, hidden_MD, labels_M, chunk: int):
-    """Per-row NLL and argmax-correctness through the target's (frozen) lm_head, `chunk` rows at a time.
+def chunked_cross_entropy(target_model, hidden_MD, labels_M, chunk: int, teacher_MD=None, soft_weight: float = 0.0):
+    """Per-row cross-entropy and argmax-correctness through the target's (frozen) lm_head, `chunk` rows at a time.
+
+    The label of a row is the one-hot of `labels_M`, or with `teacher_MD` (the target's own final-normed hidden
+    state that predicted that token) the mixture (1 - soft_weight) * onehot + soft_weight * softmax(teacher
+    logits): distillation on the target's whole next-token distribution, which says far more per example than
+    its argmax does when a run sees few examples. `correct` always compares with the hard label.
 
     The [M, V] logits never exist at once, and each chunk's logits are computed once: the forward pass also
-    forms d nll / d hidden = (softmax - onehot) @ W^T and keeps only that [M, D] residual, so a training step
-    costs two C x D x V matmuls per chunk instead of three (forward, rematerialised forward, backward) and
-    holds no logits for the backward pass. Hand-written because no JAX library we use ships a fused
-    linear cross-entropy; `tests/test_objective.py` checks values and gradients against the plain formula.
+    forms d loss / d hidden = (softmax - label) @ W^T and keeps only that [M, D] residual, so a training step
+    costs two C x D x V matmuls per chunk (three with a teacher) instead of three (forward, rematerialised
+    forward, backward) and holds no logits for the backward pass. Hand-written because no JAX library we use
+    ships a fused linear cross-entropy; `tests/test_objective.py` checks values and gradients against the
+    plain formula.
     """
     w_DV = jax.lax.stop_gradient(lm_head_weight(target_model)).astype(hidden_MD.dtype)
     m, d = hidden_MD.shape
     chunk = min(chunk, m)  # never pad a short batch up to a whole chunk (K=16 x 16 anchors is 256 rows, not 1024)
     n_chunks = math.ceil(m / chunk)
     pad = n_chunks * chunk - m
-    h = jnp.pad(hidden_MD, ((0, pad), (0, 0))).reshape(n_chunks, chunk, d)
-    y = jnp.pad(labels_M, (0, pad)).reshape(n_chunks, chunk)
-    nll, correct = _fused_ce(h, y, w_DV)
+
+    def chunks(x):
+        return jnp.pad(x, ((0, pad),) + ((0, 0),) * (x.ndim - 1)).reshape(n_chunks, chunk, *x.shape[1:])
+
+    if teacher_MD is None or soft_weight == 0.0:
+        teacher, soft_weight = jnp.zeros((n_chunks, 0, d), hidden_MD.dtype), 0.0
+    else:
+        teacher = chunks(jax.lax.stop_gradient(teacher_MD).astype(hidden_MD.dtype))
+    nll, correct = _fused_ce(chunks(hidden_MD), chunks(labels_M), teacher, w_DV, float(soft_weight))
     return nll.reshape(-1)[:m], correct.reshape(-1)[:m]
 
 
-def _ce_chunk(h_CD, y_C, w_DV, with_grad: bool):
+def _ce_chunk(h_CD, y_C, t_CD, w_DV, soft_weight: float, with_grad: bool):
     logits = jnp.einsum("CD,DV->CV", h_CD, w_DV).astype(jnp.float32)
     lse = jax.nn.logsumexp(logits, axis=-1)
-    nll = lse - jnp.take_along_axis(logits, y_C[:, None], axis=-1)[:, 0]
+    label = jax.nn.one_hot(y_C, logits.shape[-1], dtype=jnp.float32)
+    if soft_weight:
+        teacher = jax.nn.softmax(jnp.einsum("CD,DV->CV", t_CD, w_DV).astype(jnp.float32), axis=-1)
+        label = (1.0 - soft_weight) * label + soft_weight * teacher
+    nll = lse - jnp.sum(label * logits, axis=-1)
     correct = jnp.argmax(logits, axis=-1) == y_C
     if not with_grad:
         return nll, correct
-    p = jnp.exp(logits - lse[:, None])
-    p = p - jax.nn.one_hot(y_C, p.shape[-1], dtype=p.dtype)
+    p = jnp.exp(logits - lse[:, None]) - label
     return nll, correct, jnp.einsum("CV,DV->CD", p.astype(w_DV.dtype), w_DV).astype(h_CD.dtype)
 
 
-@jax.custom_vjp
-def _fused_ce(h_chunks, y_chunks, w_DV):
-    return jax.lax.map(lambda a: _ce_chunk(*a, w_DV, with_grad=False), (h_chunks, y_chunks))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _fused_ce(h_chunks, y_chunks, t_chunks, w_DV, soft_weight):
+    return jax.lax.map(lambda a: _ce_chunk(*a, w_DV, soft_weight, with_grad=False), (h_chunks, y_chunks, t_chunks))
 
 
-def _fused_ce_fwd(h_chunks, y_chunks, w_DV):
-    nll, correct, dh = jax.lax.map(lambda a: _ce_chunk(*a, w_DV, with_grad=True), (h_chunks, y_chunks))
+def _fused_ce_fwd(h_chunks, y_chunks, t_chunks, w_DV, soft_weight):
+    nll, correct, dh = jax.lax.map(lambda a: _ce_chunk(*a, w_DV, soft_weight, with_grad=True),
+                                   (h_chunks, y_chunks, t_chunks))
     return (nll, correct), (dh,)
 
 
-def _fused_ce_bwd(res, cotangents):
+def _fused_ce_bwd(soft_weight, res, cotangents):
     (dh,) = res
     g_nll, _ = cotangents
-    # The lm_head is the frozen target's: its cotangent is zero by contract (the trainer never updates it).
-    return dh * g_nll[..., None].astype(dh.dtype), None, None
+    # The lm_head and the teacher are the frozen target's: their cotangents are zero by contract.
+    return dh * g_nll[..., None].astype(dh.dtype), None, None, None
 
 
 _fused_ce.defvjp(_fused_ce_fwd, _fused_ce_bwd)
 
 
 def dflash_loss(drafter, target_model, features_BTF, tokens_BT, loss_mask_BT, anchors_BN, *, block_size: int,
-                gamma: float, ce_chunk: int = 1024):
+                gamma: float, ce_chunk: int = 1024, loss_positions: int | None = None, teacher_BTD=None,
+                soft_weight: float = 0.0):
     """Weighted CE of all anchor blocks, normalised by the weight sum; returns (loss, metrics).
 
-    metrics: `loss`, `acc` [K-1] per-position top-1 accuracy (slots 1..K-1, over valid labels), `sim_tau` =
+    `loss_positions` P < K-1 trains only block slots 1..P: the drafter still runs the whole K-wide block (every
+    slot attends to all K, as at decode time), but the lm_head cross-entropy, the costliest part of a CPU step,
+    covers P of the K-1 predictions (the same as weight 0 for slots > P).
+
+    `teacher_BTD` (the target's final-normed hidden states) with `soft_weight` > 0 distills: the label of slot k
+    mixes in the target's distribution at position a+k-1 (see chunked_cross_entropy).
+
+    metrics: `loss`, `acc` [P] per-position top-1 accuracy (slots 1..P, over valid labels), `sim_tau` =
     1 + sum_k prod_{j<=k} acc_j (expected committed tokens per round if positions were independent and a
     round stopped at the first miss; the 1 is the bonus token), `valid_labels`.
     """
     hidden = train_logits(drafter, target_model, features_BTF, tokens_BT, anchors_BN, block_size, hidden_only=True)
     labels, valid = block_labels(tokens_BT, loss_mask_BT, anchors_BN, block_size)
+    slots = block_size if loss_positions is None else min(int(loss_positions) + 1, block_size)
+    hidden, labels, valid = hidden[:, :, :slots], labels[:, :, :slots], valid[:, :, :slots]
     d = hidden.shape[-1]
-    nll, correct = chunked_cross_entropy(target_model, hidden.reshape(-1, d), labels.reshape(-1), ce_chunk)
+    teacher = None
+    if teacher_BTD is not None and soft_weight:
+        # Slot k's label is token a+k, which the target predicted at position a+k-1.
+        t = teacher_BTD.shape[1]
+        idx = jnp.clip(anchors_BN[..., None] + jnp.arange(slots, dtype=jnp.int32) - 1, 0, t - 1)
+        teacher = jnp.take_along_axis(teacher_BTD, idx.reshape(idx.shape[0], -1)[..., None], axis=1).reshape(-1, d)
+    nll, correct = chunked_cross_entropy(target_model, hidden.reshape(-1, d), labels.reshape(-1), ce_chunk,
+                                         teacher, soft_weight)
     nll, correct = nll.reshape(labels.shape), correct.reshape(labels.shape)
-    w = position_weights(block_size, gamma) * valid
+    w = position_weights(block_size, gamma)[:slots] * valid
     loss = jnp.sum(w * nll) / jnp.maximum(jnp.sum(w), 1e-9)
     n_valid = jnp.sum(valid, axis=(0, 1))[1:]
     acc = jnp.sum(correct * valid, axis=(0, 1))[1:] / jnp.maximum(n_valid, 1)

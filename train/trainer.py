@@ -30,7 +30,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from dflash_model import sharding as shd
 from dflash_model.drafter import build_drafter, check_pairing, drafter_config_for, drafter_preset, scale_output_norm
-from dflash_model.target import config_of, forward
+from dflash_model.target import config_of, final_norm, forward
 from train.config import Config
 from train.data import build_train_dataset
 from train.objective import default_gamma, dflash_loss
@@ -146,6 +146,8 @@ class Program:
     block_size: int
     gamma: float
     ce_chunk: int
+    loss_positions: int | None
+    distill_weight: float
     layer_ids: tuple
     zero_features: bool  # ablation (features.zero): how much of the drafter's skill comes from the target
     opt: tuple
@@ -175,15 +177,24 @@ class Program:
 def _loss(prog: Program, params, t_state, batch, step, nan_at):
     target = nnx.merge(prog.t_graph, jax.lax.stop_gradient(t_state))
     drafter = nnx.merge(prog.d_graph, params)
+    teacher = None
     if "features" in batch:
         features = batch["features"]
+    elif prog.distill_weight:
+        # The last layer's output, final-normed, is the hidden state the target's own next-token distribution
+        # comes from: the distillation teacher, at no cost beyond the forward this step runs anyway.
+        last = config_of(target).num_hidden_layers - 1
+        out = forward(target, batch["input_ids"], layer_ids=(*prog.layer_ids, last), compute_logits=False).features
+        d = out.shape[-1] // (len(prog.layer_ids) + 1)
+        features, teacher = out[..., :-d], final_norm(target, out[..., -d:])
     else:
         features = forward(target, batch["input_ids"], layer_ids=prog.layer_ids, compute_logits=False).features
     if prog.zero_features:
         features = jnp.zeros_like(features)
     loss, metrics = dflash_loss(drafter, target, jax.lax.stop_gradient(features), batch["input_ids"],
                                 batch["loss_mask"], batch["anchors"], block_size=prog.block_size, gamma=prog.gamma,
-                                ce_chunk=prog.ce_chunk)
+                                ce_chunk=prog.ce_chunk, loss_positions=prog.loss_positions,
+                                teacher_BTD=teacher, soft_weight=prog.distill_weight)
     # debug.nan_at_step as a runtime value (-1 = off), so the knob does not change the compiled program.
     loss = jnp.where(step + 1 == nan_at, jnp.nan, loss)
     return loss, {**metrics, "loss": loss}
@@ -228,6 +239,15 @@ class Trainer:
         self.drafter_cfg = drafter_config(cfg, self.target_cfg)
         self.block_size = int(cfg.block_size)
         self.gamma = float(cfg.gamma) if cfg.gamma is not None else default_gamma(self.block_size)
+        self.loss_positions = None if cfg.loss_positions is None else int(cfg.loss_positions)
+        if self.loss_positions is not None and not 1 <= self.loss_positions:
+            raise ValueError(f"loss_positions={self.loss_positions}: must be >= 1 (or null for all K-1 slots)")
+        self.distill_weight = float(cfg.distill_weight)
+        if not 0.0 <= self.distill_weight <= 1.0:
+            raise ValueError(f"distill_weight={self.distill_weight}: must be in [0, 1]")
+        if self.distill_weight and cfg.features.mode != "online":
+            raise ValueError(f"distill_weight={self.distill_weight} needs features.mode=online (the teacher is the "
+                             f"target's last layer, computed in the step), not {cfg.features.mode!r}")
 
         shd.shard_model(self.target, self.mesh)
         drafter = build_drafter(self.drafter_cfg, seed=int(cfg.seed))
@@ -352,7 +372,8 @@ class Trainer:
         t = self.cfg.train
         return Program(
             d_graph=self.d_graph, t_graph=self.t_graph, block_size=self.block_size, gamma=self.gamma,
-            ce_chunk=int(self.cfg.ce_chunk), layer_ids=tuple(self.drafter_cfg.target_layer_ids),
+            ce_chunk=int(self.cfg.ce_chunk), loss_positions=self.loss_positions,
+            distill_weight=self.distill_weight, layer_ids=tuple(self.drafter_cfg.target_layer_ids),
             zero_features=bool(self.cfg.features.zero),
             opt=tuple((k, t[k]) for k in OPT_KEYS), total_steps=self.total_steps,
             mesh_key=(tuple(self.mesh.shape.items()), tuple(d.id for d in self.mesh.devices.flat)),
