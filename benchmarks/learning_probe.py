@@ -147,7 +147,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--baselines", action="store_true")
     ap.add_argument("--table", action="store_true")
-    args = ap.parse_args()
+    args = ap.parse_intermixed_args()
     if args.baselines:
         print(json.dumps(baselines(), indent=1))
     elif args.table:
