@@ -56,6 +56,12 @@ def probe(name: str, steps: int, overrides: list[str]) -> dict:
     t0 = time.time()
     tr = Trainer(cfg, restore=False)
     tr.train(max_steps=steps)
+    return summarize(name, steps, overrides, wall_s=time.time() - t0)
+
+
+def summarize(name: str, steps: int, overrides: list[str], wall_s: float | None = None) -> dict:
+    """docs/results/probes/<name>.json from runs/probes/<name>/metrics.jsonl (the last `steps` records)."""
+    run_dir = REPO / "runs" / "probes" / name
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][-steps:]
     windows = []
     for lo in range(0, len(recs), WINDOW):
@@ -64,10 +70,12 @@ def probe(name: str, steps: int, overrides: list[str]) -> dict:
         windows.append({
             "steps": [win[0]["step"], win[-1]["step"]],
             "loss": statistics.mean(r["loss"] for r in win),
-            "acc_1_2_3": [sum(r["acc"][i] * r["valid_labels"] for r in win) / n for i in range(3)],
+            # loss_positions=1 trains (and reports) position 1 only
+            "acc_1_2_3": [sum(r["acc"][i] * r["valid_labels"] for r in win) / n
+                          for i in range(min(3, len(win[0]["acc"])))],
             "step_s": statistics.median(r["step_s"] for r in win),
         })
-    out = {"name": name, "overrides": overrides, "steps": steps, "wall_s": time.time() - t0,
+    out = {"name": name, "overrides": overrides, "steps": steps, "wall_s": wall_s,
            "anchors_per_s": statistics.median(r["anchors_per_s"] for r in recs[1:]),
            "windows": windows, "machine": platform.processor() or platform.machine(),
            "command": f"benchmarks/learning_probe.py {name} --steps {steps} {' '.join(overrides)}".strip()}
