@@ -180,15 +180,15 @@ def _loss(prog: Program, params, t_state, batch, step, nan_at):
     teacher = None
     if "features" in batch:
         features = batch["features"]
-    elif prog.distill_weight:
-        # The last layer's output, final-normed, is the hidden state the target's own next-token distribution
-        # comes from: the distillation teacher, at no cost beyond the forward this step runs anyway.
-        last = config_of(target).num_hidden_layers - 1
-        out = forward(target, batch["input_ids"], layer_ids=(*prog.layer_ids, last), compute_logits=False).features
-        d = out.shape[-1] // (len(prog.layer_ids) + 1)
-        features, teacher = out[..., :-d], final_norm(target, out[..., -d:])
     else:
-        features = forward(target, batch["input_ids"], layer_ids=prog.layer_ids, compute_logits=False).features
+        # With distillation the forward also keeps the last layer: final-normed, it is the hidden state the
+        # target's own next-token distribution comes from (the teacher), at no cost beyond this forward.
+        last = (config_of(target).num_hidden_layers - 1,) if prog.distill_weight else ()
+        features = forward(target, batch["input_ids"], layer_ids=(*prog.layer_ids, *last),
+                           compute_logits=False).features
+        if last:
+            d = features.shape[-1] // (len(prog.layer_ids) + 1)
+            features, teacher = features[..., :-d], final_norm(target, features[..., -d:])
     if prog.zero_features:
         features = jnp.zeros_like(features)
     loss, metrics = dflash_loss(drafter, target, jax.lax.stop_gradient(features), batch["input_ids"],
