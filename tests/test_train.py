@@ -216,3 +216,23 @@ def test_distillation_and_loss_positions_reach_the_step(tmp_path):
     with pytest.raises(ValueError, match="distill_weight=0.5 needs features.mode=online"):
         Trainer(load_config("tiny", [f"run_dir={tmp_path / 'off'}", "distill_weight=0.5", "features.mode=offline"]),
                 restore=False)
+
+
+def test_drafter_layer_types_from_the_config():
+    """drafter.layer_types / sliding_window reach the DrafterConfig (and so the z-lab export); a window without
+    a sliding layer, or a list of the wrong length, is refused naming the key."""
+    from dflash_model.config import ConfigError, preset
+    from train.trainer import drafter_config
+
+    def dcfg(*overrides):
+        cfg = load_config("tiny", list(overrides))
+        return drafter_config(cfg, preset(cfg.target.preset).replace(**dict(cfg.target.arch)))
+
+    assert dcfg().layer_types is None and dcfg().sliding_window is None
+    mixed = dcfg("drafter.layer_types=[sliding_attention,full_attention]", "drafter.sliding_window=4")
+    assert mixed.layer_types == ("sliding_attention", "full_attention") and mixed.sliding_window == 4
+    assert mixed.to_zlab_config()["layer_types"] == ["sliding_attention", "full_attention"]
+    with pytest.raises(ValueError, match="drafter.sliding_window=4 needs drafter.layer_types"):
+        dcfg("drafter.sliding_window=4")
+    with pytest.raises(ConfigError, match="layer_types has 1 entries for num_hidden_layers=2"):
+        dcfg("drafter.layer_types=[sliding_attention]")

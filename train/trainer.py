@@ -82,6 +82,13 @@ def drafter_config(cfg, target_cfg):
         dcfg = drafter_config_for(target_cfg, mask_token_id=int(d.mask_token_id), num_layers=int(d.num_layers),
                                   n_features=int(d.n_features), intermediate_size=d.intermediate_size,
                                   target_layer_ids=ids)
+    if d.layer_types is not None:
+        # DrafterConfig checks the names and that there is one per layer, naming the key.
+        window = int(d.sliding_window) if d.sliding_window is not None else None
+        dcfg = dcfg.replace(layer_types=tuple(d.layer_types), sliding_window=window)
+    elif d.sliding_window is not None:
+        raise ValueError(f"drafter.sliding_window={d.sliding_window} needs drafter.layer_types with a "
+                         "sliding_attention layer")
     # AdamW on bf16 weights loses small updates; the drafter trains in fp32 and is cast at export.
     dcfg = dcfg.replace(block_size=int(cfg.block_size), dtype="float32")
     check_pairing(dcfg, target_cfg, source=f"drafter ({d.preset or 'from config'})")
