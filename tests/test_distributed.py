@@ -45,7 +45,8 @@ def _tail(path: Path, n: int = 4000) -> str:
     return path.read_text(errors="replace")[-n:] if path.exists() else "(no output)"
 
 
-def _launch(run_dir: Path, logs: Path, num_processes: int = 2) -> list[tuple[subprocess.Popen, Path]]:
+def _launch(run_dir: Path, logs: Path, num_processes: int = 2, extra: tuple[str, ...] = ()
+            ) -> list[tuple[subprocess.Popen, Path]]:
     port = _free_port()
     procs = []
     for pid in range(num_processes):
@@ -55,7 +56,7 @@ def _launch(run_dir: Path, logs: Path, num_processes: int = 2) -> list[tuple[sub
         for k in ("JAX_COMPILATION_CACHE_DIR", "XLA_FLAGS"):  # e.g. a forced host device count: 1 device each
             env.pop(k, None)
         err = logs / f"process{pid}.log"
-        cmd = [sys.executable, str(REPO / "train" / "run.py"), "--config", "tiny", f"run_dir={run_dir}", *OVERRIDES]
+        cmd = [sys.executable, str(REPO / "train" / "run.py"), "--config", "tiny", f"run_dir={run_dir}", *OVERRIDES, *extra]
         with err.open("wb") as f:  # a file, not a pipe: a full pipe would stall one process and hang the other
             procs.append((subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT), err))
     return procs
@@ -139,6 +140,30 @@ def test_two_processes_train_like_one(tmp_path):
     nxt, ref_nxt = next(back.iterator), next(ref.iterator)
     for k in ref_nxt:
         np.testing.assert_array_equal(nxt[k], ref_nxt[k], err_msg=k)
+
+
+@pytest.mark.slow
+def test_two_processes_build_offline_features_together(tmp_path):
+    """features.mode=offline under two processes: the sharded target forward runs on both, process 0 writes the
+    cache, and neither reads it before it is complete. The cache and the first losses equal one process's."""
+    offline = ("features.mode=offline", "train.steps=2", "export.enabled=false")
+    dist_dir, ref_dir = tmp_path / "two_processes", tmp_path / "one_process"
+    t0 = time.time()
+    procs = _launch(dist_dir, tmp_path, extra=offline)
+    try:
+        ref = Trainer(load_config("tiny", [f"run_dir={ref_dir}", *OVERRIDES, *offline]), restore=False)
+        ref.train()
+    finally:
+        failure = _wait(procs, t0 + TIMEOUT_S)
+    assert not failure, failure
+    got = np.load(dist_dir / "features" / "features.npy")
+    want = np.load(ref_dir / "features" / "features.npy")
+    assert got.shape == want.shape == (512, 64, 2 * 64)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+    assert json.loads((dist_dir / "features" / "meta.json").read_text()) == json.loads(
+        (ref_dir / "features" / "meta.json").read_text())
+    np.testing.assert_allclose([r["loss"] for r in _records(dist_dir)], [r["loss"] for r in _records(ref_dir)],
+                               rtol=1e-5, atol=0)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -5,6 +5,10 @@ stored as their raw uint16 bits, numpy has no bf16), and meta.json, written last
 (a killed precompute) or with a meta.json describing another target / layer set / length is rebuilt.
 Rows are the *unshuffled* record order; the grain pipeline's batches carry each row's `index`, so shuffling,
 epochs and exact resume are untouched and only the feature lookup differs from the online path.
+
+Several processes (jax.distributed) share one file system: process 0 decides whether to build and tells the
+others, every process runs the (sharded) target forward in lockstep, process 0 writes, and nobody reads before
+a barrier after meta.json is written.
 """
 
 from __future__ import annotations
@@ -15,9 +19,10 @@ import shutil
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec
 
 from dflash_model.target import forward
 
@@ -36,41 +41,55 @@ def _meta(trainer, num_records: int) -> dict:
 
 def open_or_build(trainer, records, chunk: int = 8) -> np.ndarray:
     """The [N, T, F] float32 view of the cache for `records` (a sequence of dicts with input_ids), building it
-    first when missing or stale. Process 0 writes; the others are expected to share the file system."""
+    first when missing or stale. Every process must call this (the build is a collective); process 0 writes."""
     cfg = trainer.cfg
     root = Path(cfg.features.cache_dir) if cfg.features.cache_dir else trainer.run_dir / "features"
     want = _meta(trainer, len(records))
     meta_path, data_path = root / "meta.json", root / "features.npy"
-    if not (meta_path.is_file() and json.loads(meta_path.read_text()) == want):
-        if jax.process_index() == 0:
-            _build(trainer, records, root, want, chunk)
+    stale = not (meta_path.is_file() and json.loads(meta_path.read_text()) == want)
+    if jax.process_count() > 1:
+        # Process 0's view decides: a peer that looked after process 0 finished would otherwise skip the build's
+        # collectives and leave the others waiting.
+        stale = bool(multihost_utils.broadcast_one_to_all(np.asarray(stale)))
+    if stale:
+        _build(trainer, records, root, want, chunk, write=jax.process_index() == 0)
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices("dflash offline features written")
     return _Reader(np.load(data_path, mmap_mode="r"), want["dtype"])
 
 
-def _build(trainer, records, root: Path, meta: dict, chunk: int) -> None:
-    if root.exists():
-        shutil.rmtree(root)
-    root.mkdir(parents=True)
+def _build(trainer, records, root: Path, meta: dict, chunk: int, *, write: bool) -> None:
     t, n = meta["max_len"], meta["num_records"]
     f = len(meta["layer_ids"]) * meta["hidden_size"]
     bf16 = meta["dtype"] == "bfloat16"
-    out = np.lib.format.open_memmap(root / "features.npy", mode="w+", dtype=np.uint16 if bf16 else np.float32,
-                                    shape=(n, t, f))
+    out = None
+    if write:
+        if root.exists():
+            shutil.rmtree(root)
+        root.mkdir(parents=True)
+        out = np.lib.format.open_memmap(root / "features.npy", mode="w+", dtype=np.uint16 if bf16 else np.float32,
+                                        shape=(n, t, f))
+        log.info("precomputing target features for %d records into %s (%.1f GB)", n, root, out.nbytes / 1e9)
     t_graph, layer_ids = trainer.t_graph, tuple(meta["layer_ids"])
+    # Token ids in and features out replicated over the trainer's mesh: the target may be sharded across
+    # processes, and every process then holds the whole chunk of features (process 0 writes it).
+    replicated = NamedSharding(trainer.mesh, PartitionSpec())
     fn = jax.jit(lambda s, ids: forward(nnx.merge(t_graph, s), ids, layer_ids=layer_ids,
-                                        compute_logits=False).features)
-    log.info("precomputing target features for %d records into %s (%.1f GB)", n, root, out.nbytes / 1e9)
+                                        compute_logits=False).features, out_shardings=replicated)
     for lo in range(0, n, chunk):
         rows = [records[i] for i in range(lo, min(lo + chunk, n))]
         ids = np.zeros((chunk, t), np.int32)  # a fixed chunk shape: one compilation
         for j, r in enumerate(rows):
             x = np.asarray(r["input_ids"])[:t]
             ids[j, : x.size] = x
-        feats = np.asarray(fn(trainer.t_state, jnp.asarray(ids)))[: len(rows)]
-        out[lo: lo + len(rows)] = feats.view(np.uint16) if bf16 else feats
-    out.flush()
-    del out
-    (root / "meta.json").write_text(json.dumps(meta, indent=1))
+        feats = fn(trainer.t_state, jax.make_array_from_process_local_data(replicated, ids))
+        if out is not None:
+            feats = np.asarray(feats.addressable_data(0))[: len(rows)]
+            out[lo: lo + len(rows)] = feats.view(np.uint16) if bf16 else feats
+    if out is not None:
+        out.flush()
+        del out
+        (root / "meta.json").write_text(json.dumps(meta, indent=1))
 
 
 class _Reader:
