@@ -107,6 +107,11 @@ def test_two_processes_train_like_one(tmp_path):
     assert [r["step"] for r in got] == list(range(1, STEPS + 1)), "metrics.jsonl: one line per step, process 0 only"
     np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in want], rtol=1e-5, atol=0)
     np.testing.assert_allclose([r["grad_norm"] for r in got], [r["grad_norm"] for r in want], rtol=1e-4)
+    # Throughput counts the global batch (both processes' rows), not process 0's half of it.
+    assert [round(r["tokens_per_s"] * r["step_s"]) for r in got] == [
+        round(r["tokens_per_s"] * r["step_s"]) for r in want]
+    assert [round(r["anchors_per_s"] * r["step_s"]) for r in got] == [
+        round(r["anchors_per_s"] * r["step_s"]) for r in want]
 
     # Export and config: written by process 0 only (process 1's summary names no export).
     from safetensors.numpy import load_file

@@ -221,7 +221,9 @@ def train_step(state, t_state, batch, nan_at, *, prog: Program):
            "step": state["step"] + ok.astype(jnp.int32)}
     # Outputs pinned to the input layout: the next call sees identical avals and does not recompile.
     new = jax.lax.with_sharding_constraint(new, prog.state_shardings)
-    metrics = {**metrics, "grad_norm": optax.global_norm(grads), "lr": schedule(state["step"])}
+    # Counted here, on the global batch: a process's host batch is only its share under jax.distributed.
+    metrics = {**metrics, "grad_norm": optax.global_norm(grads), "lr": schedule(state["step"]),
+               "tokens": jnp.sum(batch["lengths"]), "anchors": jnp.sum(batch["anchors"] >= 0)}
     return new, metrics
 
 
@@ -448,7 +450,7 @@ class Trainer:
                         f"loss is {loss} at step {step + 1}; stopped without saving that step. Last good "
                         f"checkpoint: step {last} in {self.ckpt_dir}" if last is not None else
                         f"loss is {loss} at step {step + 1}; stopped; no checkpoint had been written yet")
-                tokens, anchors = int(np.sum(host["lengths"])), int(np.sum(np.asarray(host["anchors"]) >= 0))
+                tokens, anchors = int(metrics["tokens"]), int(metrics["anchors"])
                 if first_time is None:
                     first_time = dt  # includes compilation
                 else:
