@@ -56,7 +56,8 @@ def _launch(run_dir: Path, logs: Path, num_processes: int = 2, extra: tuple[str,
         for k in ("JAX_COMPILATION_CACHE_DIR", "XLA_FLAGS"):  # e.g. a forced host device count: 1 device each
             env.pop(k, None)
         err = logs / f"process{pid}.log"
-        cmd = [sys.executable, str(REPO / "train" / "run.py"), "--config", "tiny", f"run_dir={run_dir}", *OVERRIDES, *extra]
+        cmd = [sys.executable, str(REPO / "train" / "run.py"), "--config", "tiny", f"run_dir={run_dir}",
+               *OVERRIDES, *extra]
         with err.open("wb") as f:  # a file, not a pipe: a full pipe would stall one process and hang the other
             procs.append((subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT), err))
     return procs
