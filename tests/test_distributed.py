@@ -90,8 +90,13 @@ def _wait(procs, deadline: float) -> str:
 def test_two_processes_train_like_one(tmp_path):
     # One CPU device per process: fsdp=2 fails ("needs 2 devices; 1 available") unless the two form one cluster.
     dist_dir, ref_dir = tmp_path / "two_processes", tmp_path / "one_process"
+    prompts = tmp_path / "prompts.jsonl"
+    rng = np.random.default_rng(0)
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt_ids": rng.integers(0, 500, 12).tolist()}) + "\n"
+                               for i in range(2)))
+    evaluate = ("eval.enabled=true", f"eval.prompts={prompts}", "eval.max_new_tokens=12", "eval.num_prompts=2")
     t0 = time.time()
-    procs = _launch(dist_dir, tmp_path)
+    procs = _launch(dist_dir, tmp_path, extra=evaluate)
     try:
         # The reference while they run: this process, the first 2 of its 8 fake devices, the same mesh and batch.
         ref = Trainer(load_config("tiny", [f"run_dir={ref_dir}", *OVERRIDES]), restore=False)
@@ -141,6 +146,20 @@ def test_two_processes_train_like_one(tmp_path):
     assert ref_export.keys() == exported.keys()
     for k in exported:
         np.testing.assert_allclose(exported[k], ref_export[k], rtol=0, atol=1e-4, err_msg=k)
+
+    # The end-of-run eval: process 0 decoded alone with the target gathered onto its own device, the other
+    # waited; the same exported drafter through one process's target gives the same acceptance.
+    from train.workflow import eval_rows, final_eval
+
+    got_eval = json.loads((dist_dir / "eval" / "eval.json").read_text())
+    assert got_eval["trained_steps"] == STEPS and got_eval["num_prompts"] == 2
+    assert "eval written to" in logs[0] and "eval written to" not in logs[1]
+    one_cfg = load_config("tiny", [f"run_dir={tmp_path / 'eval_one'}", *OVERRIDES, *evaluate])
+    one = final_eval(one_cfg, back, None, eval_rows(one_cfg, None), dist_dir / "export")
+    for name, rep in got_eval["reports"].items():
+        assert rep["lossless_mismatches"] == 0, name
+        assert rep["tau"] == one["reports"][name]["tau"], name
+        assert rep["decode_tokens_plain"] == one["reports"][name]["decode_tokens_plain"] == 2 * 11, name
 
     # The data position is the global step (grain's next batch index): one process resumes where two stopped.
     nxt, ref_nxt = next(back.iterator), next(ref.iterator)

@@ -123,36 +123,72 @@ def eval_rows(cfg, heldout: list[dict] | None) -> list[dict]:
 
 def end_of_run_eval(cfg, trainer, summary: dict, tokenizer, heldout: list[dict] | None) -> dict | None:
     """After a finished run with eval.enabled: the reports of `final_eval`, or None when there is nothing to do
-    (not enabled, stopped early, several processes, or an eval of this very step already on disk)."""
+    (not enabled, stopped early, an eval of this very step already on disk) or on processes other than 0.
+
+    Every process must call this. Under several processes, process 0 decodes alone with a copy of the target
+    gathered onto its own devices (the decode loop reads values on the host every round, which an array that
+    spans other processes' devices does not allow), and the others wait for it at a barrier."""
     import jax
+    import numpy as np
 
     finished = trainer.step >= trainer.total_steps and summary["stopped_by"] is None
     if not bool(cfg.eval.enabled) or not finished:
         return None
-    if jax.process_count() > 1:
-        log.warning("eval.enabled: the end-of-run eval decodes on one process; run python -m infer.eval on %s",
-                    summary.get("export", Path(cfg.run_dir) / "export"))
+    export = Path(summary["export"]) if summary.get("export") else None
+    many = jax.process_count() > 1
+    if many and not bool(cfg.export.enabled):  # on every process: only process 0's summary names the export
+        log.warning("eval.enabled under several processes evaluates the exported drafter, and export.enabled is "
+                    "false: no eval (export it, then run python -m infer.eval)")
         return None
     prior = Path(cfg.run_dir, "eval", "eval.json")
-    if prior.exists() and json.loads(prior.read_text()).get("trained_steps") == trainer.step:
-        log.info("eval of step %d already in %s:\n%s", trainer.step, prior.parent,
-                 Path(prior.parent, "table.md").read_text())
+    done = prior.exists() and json.loads(prior.read_text()).get("trained_steps") == trainer.step
+    if many:  # process 0's file system decides, so every process takes the same path through the collectives
+        from jax.experimental import multihost_utils
+
+        done = bool(multihost_utils.broadcast_one_to_all(np.asarray(done)))
+    if done:
+        if jax.process_index() == 0:
+            log.info("eval of step %d already in %s:\n%s", trainer.step, prior.parent,
+                     Path(prior.parent, "table.md").read_text())
         return None
-    if tokenizer is None and (cfg.data.tokenizer or trainer.tokenizer_path):
-        from dflash_model.tokenizer import load_tokenizer
+    target = _process0_target(trainer) if many else trainer.target
+    reports = None
+    if jax.process_index() == 0:
+        if tokenizer is None and (cfg.data.tokenizer or trainer.tokenizer_path):
+            from dflash_model.tokenizer import load_tokenizer
 
-        tokenizer = load_tokenizer(cfg.data.tokenizer or trainer.tokenizer_path)
-    export = Path(summary["export"]) if summary.get("export") else None
-    return final_eval(cfg, trainer, tokenizer, eval_rows(cfg, heldout), export)["reports"]
+            tokenizer = load_tokenizer(cfg.data.tokenizer or trainer.tokenizer_path)
+        reports = final_eval(cfg, trainer, tokenizer, eval_rows(cfg, heldout), export, target=target)["reports"]
+    if many:
+        multihost_utils.sync_global_devices("dflash end-of-run eval")
+    return reports
 
 
-def final_eval(cfg, trainer, tokenizer, rows: list[dict], export_dir: Path | None) -> dict:
-    """Decode `rows` plainly, with the trained drafter and with n-gram; write <run_dir>/eval/ and print a table."""
+def _process0_target(trainer):
+    """The trainer's target gathered whole (a collective: every process calls it) and, on process 0, placed on
+    that process's own devices, FSDP-sharded over them; None elsewhere."""
+    import jax
+    from flax import nnx
+    from jax.experimental import multihost_utils
+
+    from dflash_model import sharding as shd
+
+    whole = multihost_utils.process_allgather(trainer.t_state, tiled=True)  # tiled: the global value itself
+    if jax.process_index() != 0:
+        return None
+    local = shd.make_mesh(fsdp=jax.local_device_count(), devices=jax.local_devices())
+    return shd.shard_model(nnx.merge(trainer.t_graph, whole), local)
+
+
+def final_eval(cfg, trainer, tokenizer, rows: list[dict], export_dir: Path | None, target=None) -> dict:
+    """Decode `rows` plainly, with the trained drafter and with n-gram; write <run_dir>/eval/ and print a table.
+    `target` defaults to the trainer's."""
     from dflash_model.tokenizer import stop_token_ids
     from infer.eval import encode, format_comparison, format_table, plot_comparison, run_comparison
     from infer.loading import dflash_draft, load_draft_spec
 
     e = cfg.eval
+    target = trainer.target if target is None else target
     target_cfg = trainer.target_cfg
     block = int(e.block) if e.block is not None else None
     zero = bool(cfg.features.zero)
@@ -173,7 +209,7 @@ def final_eval(cfg, trainer, tokenizer, rows: list[dict], export_dir: Path | Non
     if not prompts:
         raise ValueError("no eval prompt left; raise eval.max_prompt_tokens or eval.num_prompts")
     t0 = time.perf_counter()
-    reports = run_comparison(trainer.target, drafts, prompts, max_new_tokens=int(e.max_new_tokens),
+    reports = run_comparison(target, drafts, prompts, max_new_tokens=int(e.max_new_tokens),
                              stop_ids=tuple(stop_token_ids(tokenizer)) if tokenizer is not None else (), ids=ids)
     out = Path(cfg.run_dir) / "eval"
     out.mkdir(parents=True, exist_ok=True)
