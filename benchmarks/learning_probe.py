@@ -23,6 +23,7 @@ import argparse
 import collections
 import json
 import platform
+import shlex
 import statistics
 import sys
 import time
@@ -78,7 +79,7 @@ def summarize(name: str, steps: int, overrides: list[str], wall_s: float | None 
     out = {"name": name, "overrides": overrides, "steps": steps, "wall_s": wall_s,
            "anchors_per_s": statistics.median(r["anchors_per_s"] for r in recs[1:]),
            "windows": windows, "machine": platform.processor() or platform.machine(),
-           "command": f"benchmarks/learning_probe.py {name} --steps {steps} {' '.join(overrides)}".strip()}
+           "command": shlex.join(["benchmarks/learning_probe.py", name, "--steps", str(steps), *overrides])}
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / f"{name}.json").write_text(json.dumps(out, indent=1))
     return out

@@ -87,3 +87,25 @@ def memory_report(model: nnx.Module, mesh) -> dict:
             split = math.prod(mesh.shape[a] for a in specs[path] if a is not None)
             count, total, per_device = count + size, total + nbytes, per_device + nbytes / split
     return {"params": count, "bytes": total, "bytes_per_device": per_device, "mesh": dict(mesh.shape)}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Several processes (jax.distributed): both are no-ops in one process.
+
+
+def process0_decides(flag: bool) -> bool:
+    """`flag` as process 0 sees it, on every process. Where a file on disk decides whether collectives follow,
+    every process must take the same branch, or the ones that skip leave the others waiting."""
+    if jax.process_count() == 1:
+        return bool(flag)
+    from jax.experimental import multihost_utils
+
+    return bool(multihost_utils.broadcast_one_to_all(np.asarray(flag)))
+
+
+def barrier(name: str) -> None:
+    """Every process waits here until all have arrived (e.g. until process 0 has written a file)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)

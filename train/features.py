@@ -21,9 +21,9 @@ from pathlib import Path
 import jax
 import numpy as np
 from flax import nnx
-from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
+from dflash_model import sharding as shd
 from dflash_model.target import forward
 
 log = logging.getLogger("dflash.train")
@@ -46,15 +46,11 @@ def open_or_build(trainer, records, chunk: int = 8) -> np.ndarray:
     root = Path(cfg.features.cache_dir) if cfg.features.cache_dir else trainer.run_dir / "features"
     want = _meta(trainer, len(records))
     meta_path, data_path = root / "meta.json", root / "features.npy"
-    stale = not (meta_path.is_file() and json.loads(meta_path.read_text()) == want)
-    if jax.process_count() > 1:
-        # Process 0's view decides: a peer that looked after process 0 finished would otherwise skip the build's
-        # collectives and leave the others waiting.
-        stale = bool(multihost_utils.broadcast_one_to_all(np.asarray(stale)))
+    # Process 0's view decides: a peer that looked after process 0 finished would otherwise skip the build.
+    stale = shd.process0_decides(not (meta_path.is_file() and json.loads(meta_path.read_text()) == want))
     if stale:
         _build(trainer, records, root, want, chunk, write=jax.process_index() == 0)
-    if jax.process_count() > 1:
-        multihost_utils.sync_global_devices("dflash offline features written")
+    shd.barrier("dflash offline features written")
     return _Reader(np.load(data_path, mmap_mode="r"), want["dtype"])
 
 

@@ -249,7 +249,7 @@ class Trainer:
         self.block_size = int(cfg.block_size)
         self.gamma = float(cfg.gamma) if cfg.gamma is not None else default_gamma(self.block_size)
         self.loss_positions = None if cfg.loss_positions is None else int(cfg.loss_positions)
-        if self.loss_positions is not None and not 1 <= self.loss_positions:
+        if self.loss_positions is not None and self.loss_positions < 1:
             raise ValueError(f"loss_positions={self.loss_positions}: must be >= 1 (or null for all K-1 slots)")
         self.distill_weight = float(cfg.distill_weight)
         if not 0.0 <= self.distill_weight <= 1.0:

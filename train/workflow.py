@@ -129,7 +129,6 @@ def end_of_run_eval(cfg, trainer, summary: dict, tokenizer, heldout: list[dict] 
     gathered onto its own devices (the decode loop reads values on the host every round, which an array that
     spans other processes' devices does not allow), and the others wait for it at a barrier."""
     import jax
-    import numpy as np
 
     finished = trainer.step >= trainer.total_steps and summary["stopped_by"] is None
     if not bool(cfg.eval.enabled) or not finished:
@@ -140,13 +139,11 @@ def end_of_run_eval(cfg, trainer, summary: dict, tokenizer, heldout: list[dict] 
         log.warning("eval.enabled under several processes evaluates the exported drafter, and export.enabled is "
                     "false: no eval (export it, then run python -m infer.eval)")
         return None
-    prior = Path(cfg.run_dir, "eval", "eval.json")
-    done = prior.exists() and json.loads(prior.read_text()).get("trained_steps") == trainer.step
-    if many:  # process 0's file system decides, so every process takes the same path through the collectives
-        from jax.experimental import multihost_utils
+    from dflash_model import sharding as shd
 
-        done = bool(multihost_utils.broadcast_one_to_all(np.asarray(done)))
-    if done:
+    prior = Path(cfg.run_dir, "eval", "eval.json")
+    # Process 0's file system decides, so every process takes the same path through the collectives.
+    if shd.process0_decides(prior.exists() and json.loads(prior.read_text()).get("trained_steps") == trainer.step):
         if jax.process_index() == 0:
             log.info("eval of step %d already in %s:\n%s", trainer.step, prior.parent,
                      Path(prior.parent, "table.md").read_text())
@@ -159,8 +156,7 @@ def end_of_run_eval(cfg, trainer, summary: dict, tokenizer, heldout: list[dict] 
 
             tokenizer = load_tokenizer(cfg.data.tokenizer or trainer.tokenizer_path)
         reports = final_eval(cfg, trainer, tokenizer, eval_rows(cfg, heldout), export, target=target)["reports"]
-    if many:
-        multihost_utils.sync_global_devices("dflash end-of-run eval")
+    shd.barrier("dflash end-of-run eval")
     return reports
 
 
