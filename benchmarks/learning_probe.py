@@ -64,6 +64,18 @@ def summarize(name: str, steps: int, overrides: list[str], wall_s: float | None 
     """docs/results/probes/<name>.json from runs/probes/<name>/metrics.jsonl (the last `steps` records)."""
     run_dir = REPO / "runs" / "probes" / name
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][-steps:]
+    out = {"name": name, "overrides": overrides, "steps": steps, "wall_s": wall_s,
+           "anchors_per_s": statistics.median(r["anchors_per_s"] for r in recs[1:]),
+           "windows": accuracy_windows(recs), "machine": platform.processor() or platform.machine(),
+           "command": shlex.join(["benchmarks/learning_probe.py", name, "--steps", str(steps), *overrides])}
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / f"{name}.json").write_text(json.dumps(out, indent=1))
+    return out
+
+
+def accuracy_windows(recs: list[dict]) -> list[dict]:
+    """Loss, top-1 of block positions 1-3 (weighted by valid labels) and step time over WINDOW-step windows of
+    metrics.jsonl records."""
     windows = []
     for lo in range(0, len(recs), WINDOW):
         win = recs[lo:lo + WINDOW]
@@ -76,13 +88,7 @@ def summarize(name: str, steps: int, overrides: list[str], wall_s: float | None 
                           for i in range(min(3, len(win[0]["acc"])))],
             "step_s": statistics.median(r["step_s"] for r in win),
         })
-    out = {"name": name, "overrides": overrides, "steps": steps, "wall_s": wall_s,
-           "anchors_per_s": statistics.median(r["anchors_per_s"] for r in recs[1:]),
-           "windows": windows, "machine": platform.processor() or platform.machine(),
-           "command": shlex.join(["benchmarks/learning_probe.py", name, "--steps", str(steps), *overrides])}
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / f"{name}.json").write_text(json.dumps(out, indent=1))
-    return out
+    return windows
 
 
 def baselines() -> dict:
@@ -133,7 +139,7 @@ def table() -> str:
              "acc pos 1 / 2 / 3, steps 81-100 |", "|---|---|---:|---:|---|---|"]
     for path in sorted(OUT.glob("*.json")):
         r = json.loads(path.read_text())
-        if "windows" not in r:
+        if "windows" not in r or path.name.startswith("synthetic-"):
             continue
         first, last = r["windows"][0], r["windows"][-1]
         fmt = " / ".join(f"{a:.3f}" for a in first["acc_1_2_3"]), " / ".join(f"{a:.3f}" for a in last["acc_1_2_3"])
