@@ -12,7 +12,7 @@ Tasks (64-token sequences, K=8 blocks, 8 sequences x 16 anchors per step, lr 3e-
            repetition that n-gram drafting feeds on in SmolLM2's looping replies.
 
 Reports top-1 accuracy of slots 1-3 and the loss over 20-step windows (learning_probe.py's windows) and
-writes docs/results/probes/synthetic-<TASK>[-nofeat]-<STEPS>.json. `--no-features` trains with
+writes docs/results/probes/synthetic-<TASK>[-nofeat]-<STEPS>[-<override>...].json. `--no-features` trains with
 features.zero=true: the ablation that removes the context. tests/test_tau_rises.py runs period2 for 200 steps.
 """
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import re
 import shlex
 import sys
 import time
@@ -66,7 +67,8 @@ def run(task: str, steps: int, *, seed: int = 0, features: bool = True, override
 
     from train.trainer import Trainer
 
-    name = f"synthetic-{task}{'' if features else '-nofeat'}-{steps}"
+    name = f"synthetic-{task}{'' if features else '-nofeat'}-{steps}" + "".join(
+        "-" + re.sub(r"[^A-Za-z0-9.=]+", "_", o) for o in overrides)
     run_dir = Path(run_dir or REPO / "runs" / "probes" / name)
     over = (*overrides, *(() if features else ("features.zero=true",)))
     s = tiny_tau.Settings(steps=steps, block_size=8, new_tokens=LENGTH - 16, lr=3e-3, schedule="constant", seed=seed,
@@ -80,7 +82,8 @@ def run(task: str, steps: int, *, seed: int = 0, features: bool = True, override
     tiny_tau.attach_records(trainer, records)
     trainer.train()
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
-    return {"name": name, "task": task, "features": features, "steps": steps, "seed": seed,
+    return {"name": name, "task": task, "features": features, "overrides": list(overrides), "steps": steps,
+            "seed": seed,
             "blocks_per_step": int(cfg.train.batch_size) * int(cfg.num_anchors), "wall_s": time.time() - t0,
             "windows": accuracy_windows(recs), "machine": platform.processor() or platform.machine(),
             "command": shlex.join(["benchmarks/synthetic_tasks.py", task, "--steps", str(steps), "--seed", str(seed),
@@ -88,13 +91,14 @@ def run(task: str, steps: int, *, seed: int = 0, features: bool = True, override
 
 
 def table() -> str:
-    lines = ["| task | features | steps (blocks) | acc pos 1 / 2 / 3, first 20 steps "
-             "| acc pos 1 / 2 / 3, last 20 steps | loss, last 20 steps |", "|---|---|---:|---|---|---:|"]
+    lines = ["| task | features | overrides | steps (blocks) | acc pos 1 / 2 / 3, first 20 steps "
+             "| acc pos 1 / 2 / 3, last 20 steps | loss, last 20 steps |", "|---|---|---|---:|---|---|---:|"]
     reports = [json.loads(path.read_text()) for path in OUT.glob("synthetic-*.json")]
-    for r in sorted(reports, key=lambda r: (r["task"], not r["features"], r["steps"])):
+    for r in sorted(reports, key=lambda r: (r["task"], not r["features"], r["steps"], r.get("overrides", []))):
         first, last = r["windows"][0], r["windows"][-1]
         fmt = [" / ".join(f"{a:.3f}" for a in w["acc_1_2_3"]) for w in (first, last)]
-        lines.append(f"| {r['task']} | {'on' if r['features'] else 'zeroed'} | {r['steps']} "
+        over = " ".join(r.get("overrides", [])) or "-"
+        lines.append(f"| {r['task']} | {'on' if r['features'] else 'zeroed'} | {over} | {r['steps']} "
                      f"({r['steps'] * r['blocks_per_step']:,}) | {fmt[0]} | {fmt[1]} | {last['loss']:.2f} |")
     return "\n".join(lines)
 
