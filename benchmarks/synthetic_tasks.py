@@ -13,7 +13,7 @@ Tasks (64-token sequences, K=8 blocks, 8 sequences x 16 anchors per step, lr 3e-
 
 Reports top-1 accuracy of slots 1-3 and the loss over 20-step windows (learning_probe.py's windows) and
 writes docs/results/probes/synthetic-<TASK>[-nofeat]-<STEPS>[-<override>...].json. `--no-features` trains with
-features.zero=true: the ablation that removes the context. tests/test_tau_rises.py runs period2 for 200 steps.
+features.zero=true: the ablation that removes the context. tests/test_learns_context.py runs period2 for 200 steps.
 """
 
 from __future__ import annotations

@@ -103,6 +103,16 @@ def process0_decides(flag: bool) -> bool:
     return bool(multihost_utils.broadcast_one_to_all(np.asarray(flag)))
 
 
+def max_over_processes(value: int) -> int:
+    """The largest of every process's `value`, on every process (e.g. a signal number only some processes
+    received: all must stop at the same step, or the ones still stepping wait in a collective forever)."""
+    if jax.process_count() == 1:
+        return int(value)
+    from jax.experimental import multihost_utils
+
+    return int(np.max(multihost_utils.process_allgather(np.asarray(value, np.int32))))
+
+
 def barrier(name: str) -> None:
     """Every process waits here until all have arrived (e.g. until process 0 has written a file)."""
     if jax.process_count() > 1:

@@ -168,6 +168,38 @@ def test_two_processes_train_like_one(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_signal_to_one_process_stops_both_at_the_same_step(tmp_path):
+    """A preemption notice that reaches one process of two: both checkpoint the same step and stop, none hangs.
+    (Before the processes agreed on the signal, process 1 stopped to save while process 0 went on to the next
+    step's collective, and each waited for the other until the deadline.)"""
+    import re
+    import signal
+
+    run_dir = tmp_path / "run"
+    procs = _launch(run_dir, tmp_path, extra=("train.steps=60", "checkpoint.every_steps=100",
+                                              "debug.sleep_per_step=0.2"))
+    deadline = time.time() + TIMEOUT_S
+    metrics = run_dir / "metrics.jsonl"
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        assert time.time() < deadline and all(p.poll() is None for p, _ in procs), _wait(procs, deadline)
+        time.sleep(0.2)
+    os.kill(procs[1][0].pid, signal.SIGTERM)
+    failure = _wait(procs, deadline)
+    assert not failure, failure
+    logs = [_tail(err, 10**6) for _, err in procs]
+    stops = [re.findall(r"SIGTERM received( by another process)?: checkpointing step (\d+) and stopping", log)
+             for log in logs]
+    assert [len(s) for s in stops] == [1, 1], stops
+    (by_other, step0), (by_self, step1) = stops[0][0], stops[1][0]
+    assert by_other and not by_self, stops  # process 0 stopped because process 1 was told to
+    step = int(step0)
+    assert step == int(step1) and 3 <= step < 60, stops
+    assert _records(run_dir)[-1]["step"] == step
+    assert sorted(int(d.name) for d in (run_dir / "checkpoints").iterdir() if d.name.isdigit()) == [step]
+    assert not (run_dir / "export").exists()  # a stopped run is not finished: no export, no eval
+
+
+@pytest.mark.slow
 def test_two_processes_build_offline_features_together(tmp_path):
     """features.mode=offline under two processes: the sharded target forward runs on both, process 0 writes the
     cache, and neither reads it before it is complete. The cache and the first losses equal one process's."""

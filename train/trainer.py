@@ -464,9 +464,13 @@ class Trainer:
                     self.save()
                 if float(cfg.debug.sleep_per_step):
                     _pause(float(cfg.debug.sleep_per_step))
-                if self._stop_signal is not None:
-                    stopped = signal.Signals(self._stop_signal).name
-                    log.warning("%s received: checkpointing step %d and stopping", stopped, step)
+                # A preemption notice can reach the processes of a pod at different steps: they agree on it at
+                # every step (one tiny all-gather with several processes), so all of them save this step and stop.
+                agreed = shd.max_over_processes(self._stop_signal or 0)
+                if agreed:
+                    stopped = signal.Signals(agreed).name
+                    whose = "" if self._stop_signal else " by another process"
+                    log.warning("%s received%s: checkpointing step %d and stopping", stopped, whose, step)
                     self.save(force=True)
                     break
         finally:
