@@ -171,7 +171,7 @@ def test_two_processes_train_like_one(tmp_path):
 def test_a_signal_to_one_process_stops_both_at_the_same_step(tmp_path):
     """A preemption notice that reaches one process of two: both checkpoint the same step and stop, none hangs.
     (Before the processes agreed on the signal, process 1 stopped to save while process 0 went on to the next
-    step's collective, and each waited for the other until the deadline.)"""
+    step, whose all-gather then failed: "Is there a distributed collective mismatch in your code?")"""
     import re
     import signal
 
