@@ -71,8 +71,9 @@ def run(task: str, steps: int, *, seed: int = 0, features: bool = True, override
         "-" + re.sub(r"[^A-Za-z0-9.=]+", "_", o) for o in overrides)
     run_dir = Path(run_dir or REPO / "runs" / "probes" / name)
     over = (*overrides, *(() if features else ("features.zero=true",)))
-    s = tiny_tau.Settings(steps=steps, block_size=8, new_tokens=LENGTH - 16, lr=3e-3, schedule="constant", seed=seed,
-                          overrides=over)
+    # tiny_tau sizes train.max_len as its longest prompt plus new_tokens: make that LENGTH.
+    s = tiny_tau.Settings(steps=steps, block_size=8, new_tokens=LENGTH - tiny_tau.Settings.prompt_len[1], lr=3e-3,
+                          schedule="constant", seed=seed, overrides=over)
     cfg = tiny_tau.trainer_config(s, run_dir)
     assert int(cfg.train.max_len) == LENGTH, cfg.train.max_len
     target = tiny_tau.build_target(cfg, s.target_std)
@@ -83,8 +84,8 @@ def run(task: str, steps: int, *, seed: int = 0, features: bool = True, override
     trainer.train()
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
     return {"name": name, "task": task, "features": features, "overrides": list(overrides), "steps": steps,
-            "seed": seed,
-            "blocks_per_step": int(cfg.train.batch_size) * int(cfg.num_anchors), "wall_s": time.time() - t0,
+            "seed": seed, "blocks_per_step": int(cfg.train.batch_size) * int(cfg.num_anchors),
+            "wall_s": time.time() - t0,
             "windows": accuracy_windows(recs), "machine": platform.processor() or platform.machine(),
             "command": shlex.join(["benchmarks/synthetic_tasks.py", task, "--steps", str(steps), "--seed", str(seed),
                                    *(() if features else ("--no-features",)), *overrides])}
