@@ -1,12 +1,21 @@
-"""Training throughput of a config: tokens/s, anchors/s, seconds per step, and the share of a step spent in the
-target forward (the part the offline feature path removes).
+"""Training throughput, the yardstick: blocks/s, trained labels/s and where a step's time goes, for named variants
+of a config side by side in one process on the same machine.
 
-  .venv/bin/python benchmarks/train_throughput.py [--config tiny] [--steps 20] [--out runs/train_throughput.json]
-      [key=value overrides ...]
+  .venv/bin/python benchmarks/train_throughput.py --data PATH [--config smollm2-135m] [--blocks 64 16]
+      [--variants baseline bf16 ...] [--steps 8] [--out docs/results/throughput/NAME.json] [key=value ...]
 
-Trains `--steps` steps in a scratch run directory (no resume, no export, no eval) and reports medians over the
-steps after the first (which compiles). The target forward is timed alone on one batch of the same shape,
-jitted the same way (features of the drafter's layers, no logits).
+`--data` is a conversation JSONL (the default run's regenerated replies work: ~/.cache/dflash-jax/regenerated/...)
+or "sharegpt". Each variant is a set of config overrides (VARIANTS below; `baseline` is the config as it is) on
+top of the shared overrides. Per variant and block size it trains `--steps` steps in a scratch directory and
+reports the median step after the first (which compiles), and times each phase of one step alone, jitted the same
+way: the target forward (features, plus logits with data.labels=target), the drafter's forward and backward
+without the cross-entropy, the cross-entropy through the lm_head (forward and backward), the optimizer update, and
+the host side (next batch from the grain iterator, offline features read, device put). Phases are timed apart, so
+their sum differs from the step a little (XLA fuses across them in the real step).
+
+Counts: a block is one anchor (K positions); a trained label is a label with nonzero loss weight (valid, inside
+loss_positions, inside the draft vocabulary). Offline features are precomputed once (the time is reported as
+`precompute_s`, one target forward per record) and then read back every epoch.
 """
 
 from __future__ import annotations
@@ -14,56 +23,186 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import shlex
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+# Each lever alone, then the combination the SmolLM2 config uses. Overrides are applied after the shared ones.
+VARIANTS = {
+    "baseline": [],
+    "bf16": ["train.compute_dtype=bfloat16", "target.dtype=bfloat16"],
+    "anchors": ["num_anchors=64"],
+    "vocab": ["draft_vocab=4096"],
+    "offline": ["features.mode=offline"],
+    "pos8": ["loss_positions=8"],
+    "1layer": ["drafter.num_layers=1"],
+    "fast": ["train.compute_dtype=bfloat16", "target.dtype=bfloat16", "num_anchors=64", "draft_vocab=4096",
+             "features.mode=offline"],
+}
 
 
-def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default="tiny")
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--out", default="runs/train_throughput.json")
-    ap.add_argument("overrides", nargs="*")
-    args = ap.parse_args(argv)
+def _time(fn, *args, repeats: int = 3) -> float:
+    import jax
 
+    jax.block_until_ready(fn(*args))  # compile
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        jax.block_until_ready(fn(*args))
+    return (time.perf_counter() - t0) / repeats
+
+
+def phases(trainer, repeats: int = 3) -> dict:
+    """Seconds of each phase of one step, timed alone (see the module docstring)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from dflash_model.drafter import train_logits
+    from dflash_model.target import forward
+    from train.objective import chunked_cross_entropy
+
+    t0 = time.perf_counter()
+    host = next(trainer.iterator)
+    if trainer.features is not None:
+        host = {**host, "features": trainer.features[host["index"]]}
+        if trainer.labels is not None:
+            host["labels"] = trainer.labels[host["index"]]
+    batch = trainer.put_batch(host)
+    jax.block_until_ready(batch)
+    out = {"host_s": time.perf_counter() - t0}
+
+    prog = trainer.program()
+    layer_ids = prog.layer_ids
+    labels_too = prog.target_labels
+
+    @jax.jit
+    def target_fwd(t_state, ids):
+        o = forward(nnx.merge(prog.t_graph, t_state), ids, layer_ids=layer_ids, compute_logits=labels_too)
+        return o.features if not labels_too else (o.features, jnp.argmax(o.logits, -1))
+
+    if "features" in batch:
+        out["target_s"], features = 0.0, batch["features"]
+    else:
+        out["target_s"] = _time(target_fwd, trainer.t_state, batch["input_ids"], repeats=repeats)
+        features = target_fwd(trainer.t_state, batch["input_ids"])
+        features = features[0] if labels_too else features
+    target = nnx.merge(prog.t_graph, trainer.t_state)
+    dt = jnp.dtype(prog.compute_dtype)
+    slots = prog.block_size if prog.loss_positions is None else min(prog.loss_positions + 1, prog.block_size)
+
+    def hidden_of(params):
+        h = train_logits(nnx.merge(prog.d_graph, params), target, features, batch["input_ids"], batch["anchors"],
+                         prog.block_size, hidden_only=True, compute_dtype=dt)
+        return h[:, :, :slots]
+
+    params = trainer.state["params"]
+    h = jax.jit(hidden_of)(params)
+    probe = jnp.ones_like(h)
+    out["drafter_s"] = _time(jax.jit(jax.grad(lambda p: jnp.sum(hidden_of(p).astype(jnp.float32) * probe))),
+                             params, repeats=repeats)
+    hm = h.reshape(-1, h.shape[-1])
+    labels = jnp.zeros((hm.shape[0],), jnp.int32)
+    vocab = trainer.vocab_ids
+
+    @jax.jit
+    def ce(hm):
+        return jax.grad(lambda x: jnp.sum(chunked_cross_entropy(target, x, labels, prog.ce_chunk,
+                                                                vocab_ids_N=vocab)[0]))(hm)
+
+    out["ce_s"] = _time(ce, hm, repeats=repeats)
+    grads = jax.tree.map(jnp.zeros_like, params)
+    tx = trainer.tx
+    out["optimizer_s"] = _time(jax.jit(lambda g, o, p: tx.update(g, o, p)), grads, trainer.state["opt"], params,
+                               repeats=repeats)
+    return out
+
+
+def measure(cfg_name: str, overrides: list[str], steps: int, target=None) -> dict:
     import jax
 
     from train.config import load_config
     from train.trainer import Trainer
 
     with tempfile.TemporaryDirectory() as tmp:
-        over = [*args.overrides, f"run_dir={tmp}", f"train.steps={args.steps}", "export.enabled=false",
-                "eval.enabled=false", "log.tensorboard=false", f"checkpoint.every_steps={args.steps + 1}"]
-        cfg = load_config(args.config, over)
-        if cfg.data.source == "regenerate":
-            raise SystemExit("give a regenerated JSONL as data.source=PATH (the cache of a default run works)")
-        trainer = Trainer(cfg, restore=False)
+        over = [*overrides, f"run_dir={tmp}", f"train.steps={steps}", "export.enabled=false", "eval.enabled=false",
+                "log.tensorboard=false", f"checkpoint.every_steps={steps + 1}", "train.epochs=100"]
+        cfg = load_config(cfg_name, over)
+        t0 = time.perf_counter()
+        trainer = Trainer(cfg, restore=False, target=target)
+        build_s = time.perf_counter() - t0
         trainer.train()
         recs = [json.loads(ln) for ln in Path(tmp, "metrics.jsonl").read_text().splitlines()][1:]
-        batch = next(iter(trainer.dataset))
-        target_s = trainer.time_target_forward(batch) if cfg.features.mode == "online" else 0.0
+        ph = phases(trainer)
     step_s = statistics.median(r["step_s"] for r in recs)
-    rep = {
-        "config": args.config, "overrides": args.overrides, "steps_timed": len(recs), "device": str(jax.devices()[0]),
-        "machine": platform.processor() or platform.machine(), "block_size": int(cfg.block_size),
-        "batch_size": int(cfg.train.batch_size), "max_len": int(cfg.train.max_len), "num_anchors": int(cfg.num_anchors),
-        "step_s_median": step_s,
-        "tokens_per_s_median": statistics.median(r["tokens_per_s"] for r in recs),
-        "anchors_per_s_median": statistics.median(r["anchors_per_s"] for r in recs),
-        "block_positions_per_s": statistics.median(r["anchors_per_s"] for r in recs) * int(cfg.block_size),
-        "target_forward_s": target_s, "target_forward_share": target_s / step_s if step_s else None,
+    blocks = statistics.median(r["anchors_per_s"] * r["step_s"] for r in recs)
+    labels = statistics.median(r["valid_labels"] for r in recs)
+    return {
+        "overrides": overrides, "block_size": int(cfg.block_size), "steps_timed": len(recs),
+        "device": str(jax.devices()[0]), "step_s": step_s, "blocks_per_step": blocks,
+        "blocks_per_s": blocks / step_s, "trained_labels_per_s": labels / step_s,
+        "loss_last": recs[-1]["loss"] if recs else None, "build_s": build_s,
+        "precompute_s": build_s if cfg.features.mode == "offline" else None, **ph,
     }
-    print("| config | K | batch x len | anchors/seq | s/step | tokens/s | anchors/s | target fwd share |")
-    print("|---|---:|---|---:|---:|---:|---:|---:|")
-    name = f"{args.config} {' '.join(args.overrides)}"
-    print(f"| {name} | {rep['block_size']} | {rep['batch_size']} x {rep['max_len']} | "
-          f"{rep['num_anchors']} | {step_s:.3f} | {rep['tokens_per_s_median']:.0f} | "
-          f"{rep['anchors_per_s_median']:.1f} | {100 * rep['target_forward_share']:.0f}% |")
+
+
+def _load_targets(cfg_name: str, shared: list[str]):
+    """The target once per dtype (loading SmolLM2 from its GGUF takes ~20 s): variants share it."""
+    from train.config import load_config
+    from train.trainer import load_target_model, resolve_mesh
+
+    cache = {}
+
+    def get(overrides):
+        cfg = load_config(cfg_name, [*shared, *overrides])
+        key = str(cfg.target.dtype)
+        if key not in cache:
+            cache[key] = load_target_model(cfg, resolve_mesh(cfg))
+        return cache[key]
+
+    return get
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="smollm2-135m")
+    ap.add_argument("--data", required=True, help="conversation JSONL or 'sharegpt'")
+    ap.add_argument("--blocks", type=int, nargs="+", default=[64, 16])
+    ap.add_argument("--variants", nargs="+", default=["baseline", "fast"], choices=sorted(VARIANTS))
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--out", default="runs/train_throughput.json")
+    ap.add_argument("overrides", nargs="*", help="shared key=value overrides")
+    args = ap.parse_args(argv)
+
+    targets = None
+    rows = []
+    for k in args.blocks:
+        for name in args.variants:
+            shared = [f"data.source={args.data}", f"block_size={k}", *args.overrides]
+            if targets is None:
+                targets = _load_targets(args.config, shared)
+            target, tok_path = targets(VARIANTS[name])
+            over = [*shared, f"data.tokenizer={tok_path}", *VARIANTS[name]]
+            print(f"[throughput] K={k} {name}: {' '.join(VARIANTS[name]) or '(config as is)'}", flush=True)
+            rows.append({"variant": name, **measure(args.config, over, args.steps, target=target)})
+            r = rows[-1]
+            print(f"[throughput]   {r['step_s']:.2f} s/step, {r['blocks_per_s']:.1f} blocks/s", flush=True)
+
+    base = {r["block_size"]: r["blocks_per_s"] for r in rows if r["variant"] == "baseline"}
+    lines = ["| K | variant | s/step | blocks/step | blocks/s | x baseline | trained labels/s | target | drafter f+b "
+             "| CE f+b | optimizer | host |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        x = r["blocks_per_s"] / base[r["block_size"]] if r["block_size"] in base else float("nan")
+        lines.append(f"| {r['block_size']} | {r['variant']} | {r['step_s']:.2f} | {r['blocks_per_step']:.0f} | "
+                     f"{r['blocks_per_s']:.1f} | {x:.1f}x | {r['trained_labels_per_s']:.0f} | {r['target_s']:.2f} | "
+                     f"{r['drafter_s']:.2f} | {r['ce_s']:.2f} | {r['optimizer_s']:.3f} | {r['host_s']:.3f} |")
+    table = "\n".join(lines)
+    print(table)
+    rep = {"command": shlex.join(["benchmarks/train_throughput.py", *(sys.argv[1:] if argv is None else argv)]),
+           "config": args.config, "machine": platform.processor() or platform.machine(),
+           "variants": {n: VARIANTS[n] for n in args.variants}, "rows": rows, "table": table}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(rep, indent=1))
     return rep

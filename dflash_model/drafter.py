@@ -491,7 +491,7 @@ def _check_target(drafter: Drafter, target_model: nnx.Module) -> None:
     check_pairing(drafter.config, config_of(target_model))
 
 
-def _context(drafter: Drafter, features_BTF):
+def _context(drafter: Drafter, features_BTF, compute_dtype=None):
     """ctx = hidden_norm(fc(features)): one context stream shared by every draft layer."""
     cfg = drafter.config
     if features_BTF.shape[-1] != cfg.feature_size:
@@ -499,7 +499,7 @@ def _context(drafter: Drafter, features_BTF):
             f"features have width {features_BTF.shape[-1]}; the drafter expects {cfg.n_features} target layers "
             f"x {cfg.hidden_size} = {cfg.feature_size}"
         )
-    x = features_BTF.astype(_dtype(drafter))
+    x = features_BTF.astype(compute_dtype or _dtype(drafter))
     ctx = jnp.einsum("BTF,FD->BTD", x, drafter.fc[...].astype(x.dtype))
     return rms_norm(ctx, drafter.hidden_norm[...], cfg.rms_norm_eps)
 
@@ -657,7 +657,8 @@ def block_tokens(cfg: DrafterConfig, tokens_BT, anchors_BN, block_size: int):
     return jnp.concatenate([first[..., None], mask], axis=-1)
 
 
-def train_hidden_from_embeds(drafter: Drafter, features_BTF, block_embeds_BNKD, anchors_BN, start_positions_B=None):
+def train_hidden_from_embeds(drafter: Drafter, features_BTF, block_embeds_BNKD, anchors_BN, start_positions_B=None,
+                             compute_dtype=None):
     """Final-normed hidden [B, N, K, D] of N blocks per row whose inputs are given as embeddings.
 
     Block n sits at positions a_n .. a_n+K-1 and sees context features at positions STRICTLY before a_n
@@ -676,12 +677,12 @@ def train_hidden_from_embeds(drafter: Drafter, features_BTF, block_embeds_BNKD, 
     a0 = jnp.maximum(anchors, 0)  # padding blocks sit at 0, where no context is visible
     kv_idx = jnp.arange(t, dtype=jnp.int32)
     visible = kv_idx[None, None, None, :] < a0[:, :, None, None]  # [B, N, 1, T]
-    ctx = _context(drafter, features_BTF)
+    ctx = _context(drafter, features_BTF, compute_dtype)
     ctx_pos_BT = start[:, None] + kv_idx[None, :]
     cos, sin = rope_angles(ctx_pos_BT, rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
     ctx_kv = [_keys_values(layer.self_attn, ctx, cos, sin, cfg.rms_norm_eps) for layer in drafter.layers]
     block_idx_BNK = a0[..., None] + jnp.arange(k, dtype=jnp.int32)
-    x = block_embeds_BNKD.astype(_dtype(drafter))
+    x = block_embeds_BNKD.astype(compute_dtype or _dtype(drafter))
     # Masks compare sequence indices; RoPE sees indices + start, which shifts both sides of every q.k alike.
     rope_pos_BNK = start[:, None, None] + block_idx_BNK
     return _run_blocks(drafter, x, block_idx_BNK, rope_pos_BNK, ctx_kv, kv_idx, visible)
@@ -696,6 +697,7 @@ def train_logits(
     block_size: int,
     hidden_only: bool = False,
     start_positions_B=None,
+    compute_dtype=None,
 ):
     """All N blocks [tokens[a_n], MASK x (K-1)] of each row in one pass: [B, N, K, V] fp32 logits, or the
     final-normed hidden [B, N, K, D] when `hidden_only` (for a chunked cross-entropy through the lm_head).
@@ -703,8 +705,13 @@ def train_logits(
     Output k of block n predicts tokens[a_n + k] (slot 0 carries no prediction). Anchors < 0 are padding (see
     train_hidden_from_embeds); valid anchors lie in 0..T-1. Context scores cost B*Q*N*K*T: chunk the anchors
     for long sequences (blocks never interact, so chunks give the same result).
+
+    `compute_dtype` (default: the drafter's own dtype) is the dtype of the activations and so of every matmul:
+    bfloat16 over fp32 parameters is mixed-precision training (each weight is cast where it is used, so its
+    gradient arrives in fp32); norms and softmax compute in fp32 either way.
     """
     _check_target(drafter, target_model)
     blocks = block_tokens(drafter.config, jnp.asarray(tokens_BT, jnp.int32), jnp.asarray(anchors_BN), block_size)
-    hidden = train_hidden_from_embeds(drafter, features_BTF, embed(target_model, blocks), anchors_BN, start_positions_B)
+    hidden = train_hidden_from_embeds(drafter, features_BTF, embed(target_model, blocks), anchors_BN, start_positions_B,
+                                      compute_dtype)
     return hidden if hidden_only else lm_head(target_model, hidden)

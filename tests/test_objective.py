@@ -164,3 +164,80 @@ def test_loss_goes_down(setup):
     assert losses[-1] < 0.5 * losses[0], (losses[0], losses[-1])
     after = jax.tree.map(np.asarray, nnx.state(target, nnx.Param))
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(target_before), jax.tree.leaves(after)))
+
+
+def test_draft_vocab_loss_is_full_loss_restricted_to_it(setup):
+    """A reduced-vocabulary loss (FR-Spec) equals the plain formula over those lm_head rows only, with labels
+    outside the vocabulary left out; its gradient equals that formula's."""
+    target, drafter, tokens, loss_mask, anchors, features = setup
+    vocab = jnp.asarray(np.unique(np.concatenate([np.asarray(tokens).reshape(-1)[::3], [7, 300]]))[::-1].copy(),
+                        jnp.int32)  # about a third of the tokens in the text: many labels fall outside
+    params = nnx.state(drafter, nnx.Param)
+    graph = nnx.graphdef(drafter)
+
+    def reduced(p):
+        return dflash_loss(nnx.merge(graph, p), target, features, tokens, loss_mask, anchors, block_size=K,
+                           gamma=3.0, ce_chunk=7, vocab_ids_N=vocab)[0]
+
+    def plain(p):
+        from dflash_model.drafter import train_logits
+
+        h = train_logits(nnx.merge(graph, p), target, features, tokens, anchors, K, hidden_only=True)
+        logits = jnp.einsum("BNKD,DV->BNKV", h, lm_head_weight_of(target)[:, vocab])
+        labels, valid = block_labels(tokens, loss_mask, anchors, K)
+        inside = (labels[..., None] == vocab).any(-1)
+        sub = jnp.argmax(labels[..., None] == vocab, axis=-1)
+        nll = -jnp.take_along_axis(jax.nn.log_softmax(logits, -1), sub[..., None], -1)[..., 0]
+        w = position_weights(K, 3.0) * (valid & inside)
+        return jnp.sum(w * nll) / jnp.sum(w)
+
+    (a, ga), (b, gb) = jax.value_and_grad(reduced)(params), jax.value_and_grad(plain)(params)
+    labels, valid = block_labels(tokens, loss_mask, anchors, K)
+    outside = int(jnp.sum(valid & ~(labels[..., None] == vocab).any(-1)))
+    assert outside > 10  # the restriction really drops labels
+    np.testing.assert_allclose(a, b, rtol=1e-5)
+    for x, y in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):
+        np.testing.assert_allclose(x, y, rtol=2e-4, atol=1e-7)
+    full = dflash_loss(drafter, target, features, tokens, loss_mask, anchors, block_size=K, gamma=3.0)[0]
+    assert abs(float(full) - float(a)) > 0.1  # negative control: the full-vocabulary loss is another number
+
+
+def lm_head_weight_of(target):
+    from dflash_model.target import lm_head_weight
+
+    return lm_head_weight(target)
+
+
+def test_target_labels_are_the_targets_argmax(setup):
+    """data.labels=target: label t is argmax of the target's logits at t-1 (its greedy next token after the real
+    prefix); block labels then read them instead of the text."""
+    from train.objective import target_labels
+
+    target, _, tokens, _, _, _ = setup
+    logits = forward(target, tokens).logits
+    labels = np.asarray(target_labels(tokens, logits))
+    assert labels[:, 0].tolist() == np.asarray(tokens[:, 0]).tolist()
+    for b in range(2):
+        for t in range(1, tokens.shape[1]):
+            assert labels[b, t] == int(np.argmax(np.asarray(logits[b, t - 1])))
+    assert (labels[:, 1:] != np.asarray(tokens[:, 1:])).mean() > 0.5  # a random target disagrees with the text
+
+
+def test_bf16_compute_matches_fp32(setup):
+    """Mixed precision (bf16 activations and matmuls over fp32 parameters): the loss within 1% of fp32's and the
+    gradients in fp32 with cosine similarity > 0.99 to fp32's."""
+    target, drafter, tokens, loss_mask, anchors, features = setup
+    params, graph = nnx.state(drafter, nnx.Param), nnx.graphdef(drafter)
+
+    def loss(p, dt):
+        return dflash_loss(nnx.merge(graph, p), target, features, tokens, loss_mask, anchors, block_size=K,
+                           gamma=3.0, compute_dtype=dt)[0]
+
+    l32, g32 = jax.value_and_grad(lambda p: loss(p, jnp.float32))(params)
+    l16, g16 = jax.value_and_grad(lambda p: loss(p, jnp.bfloat16))(params)
+    assert abs(float(l16) / float(l32) - 1) < 0.01
+    v32 = jnp.concatenate([x.reshape(-1) for x in jax.tree.leaves(g32)])
+    v16 = jnp.concatenate([x.reshape(-1) for x in jax.tree.leaves(g16)])
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(g16))
+    cos = float(v16 @ v32 / (jnp.linalg.norm(v16) * jnp.linalg.norm(v32)))
+    assert cos > 0.99, cos

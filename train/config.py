@@ -126,7 +126,8 @@ def load_config(name_or_path: str | Path = "smollm2-135m", overrides: list[str] 
 
 def _validate(cfg: dict) -> None:
     choices = {("features", "mode"): ("online", "offline"), ("train", "schedule"): ("cosine", "constant"),
-               ("target", "dtype"): ("float32", "bfloat16"), ("export", "dtype"): ("float32", "bfloat16")}
+               ("target", "dtype"): ("float32", "bfloat16"), ("export", "dtype"): ("float32", "bfloat16"),
+               ("train", "compute_dtype"): ("float32", "bfloat16"), ("data", "labels"): ("text", "target")}
     for (a, b), allowed in choices.items():
         if cfg[a][b] not in allowed:
             raise ValueError(f"{a}.{b}={cfg[a][b]!r}: expected one of {allowed}")

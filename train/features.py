@@ -25,6 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from dflash_model import sharding as shd
 from dflash_model.target import forward
+from train.objective import target_labels
 
 log = logging.getLogger("dflash.train")
 
@@ -36,12 +37,15 @@ def _meta(trainer, num_records: int) -> dict:
         "dtype": trainer.target_cfg.dtype, "layer_ids": list(trainer.drafter_cfg.target_layer_ids),
         "max_len": int(cfg.train.max_len), "num_records": num_records, "data": str(cfg.data.source),
         "seed": int(cfg.seed), "hidden_size": trainer.target_cfg.hidden_size,
+        "labels": str(cfg.data.labels),
     }
 
 
-def open_or_build(trainer, records, chunk: int = 8) -> np.ndarray:
-    """The [N, T, F] float32 view of the cache for `records` (a sequence of dicts with input_ids), building it
-    first when missing or stale. Every process must call this (the build is a collective); process 0 writes."""
+def open_or_build(trainer, records, chunk: int = 8):
+    """(the [N, T, F] float32 view of the cache for `records` (a sequence of dicts with input_ids), the [N, T]
+    int32 target labels or None), building the cache first when missing or stale. With data.labels=target the
+    same forward also computes the lm_head and stores the target's greedy next token at every position
+    (train.objective.target_labels). Every process must call this (the build is a collective); process 0 writes."""
     cfg = trainer.cfg
     root = Path(cfg.features.cache_dir) if cfg.features.cache_dir else trainer.run_dir / "features"
     want = _meta(trainer, len(records))
@@ -51,40 +55,52 @@ def open_or_build(trainer, records, chunk: int = 8) -> np.ndarray:
     if stale:
         _build(trainer, records, root, want, chunk, write=jax.process_index() == 0)
     shd.barrier("dflash offline features written")
-    return _Reader(np.load(data_path, mmap_mode="r"), want["dtype"])
+    labels = np.load(root / "labels.npy", mmap_mode="r") if want["labels"] == "target" else None
+    return _Reader(np.load(data_path, mmap_mode="r"), want["dtype"]), labels
 
 
 def _build(trainer, records, root: Path, meta: dict, chunk: int, *, write: bool) -> None:
     t, n = meta["max_len"], meta["num_records"]
     f = len(meta["layer_ids"]) * meta["hidden_size"]
     bf16 = meta["dtype"] == "bfloat16"
-    out = None
+    out = labels_out = None
+    with_labels = meta["labels"] == "target"
     if write:
         if root.exists():
             shutil.rmtree(root)
         root.mkdir(parents=True)
         out = np.lib.format.open_memmap(root / "features.npy", mode="w+", dtype=np.uint16 if bf16 else np.float32,
                                         shape=(n, t, f))
+        if with_labels:
+            labels_out = np.lib.format.open_memmap(root / "labels.npy", mode="w+", dtype=np.int32, shape=(n, t))
         log.info("precomputing target features for %d records into %s (%.1f GB)", n, root, out.nbytes / 1e9)
     t_graph, layer_ids = trainer.t_graph, tuple(meta["layer_ids"])
     # Token ids in and features out replicated over the trainer's mesh: the target may be sharded across
     # processes, and every process then holds the whole chunk of features (process 0 writes it).
     replicated = NamedSharding(trainer.mesh, PartitionSpec())
-    fn = jax.jit(lambda s, ids: forward(nnx.merge(t_graph, s), ids, layer_ids=layer_ids,
-                                        compute_logits=False).features, out_shardings=replicated)
+    def features_and_labels(s, ids):
+        out = forward(nnx.merge(t_graph, s), ids, layer_ids=layer_ids, compute_logits=with_labels)
+        return out.features, (target_labels(ids, out.logits) if with_labels else ids)
+
+    fn = jax.jit(features_and_labels, out_shardings=(replicated, replicated))
     for lo in range(0, n, chunk):
         rows = [records[i] for i in range(lo, min(lo + chunk, n))]
         ids = np.zeros((chunk, t), np.int32)  # a fixed chunk shape: one compilation
         for j, r in enumerate(rows):
             x = np.asarray(r["input_ids"])[:t]
             ids[j, : x.size] = x
-        feats = fn(trainer.t_state, jax.make_array_from_process_local_data(replicated, ids))
+        feats, labels = fn(trainer.t_state, jax.make_array_from_process_local_data(replicated, ids))
         if out is not None:
             feats = np.asarray(feats.addressable_data(0))[: len(rows)]
             out[lo: lo + len(rows)] = feats.view(np.uint16) if bf16 else feats
+            if labels_out is not None:
+                labels_out[lo: lo + len(rows)] = np.asarray(labels.addressable_data(0))[: len(rows)]
     if out is not None:
         out.flush()
         del out
+        if labels_out is not None:
+            labels_out.flush()
+            del labels_out
         (root / "meta.json").write_text(json.dumps(meta, indent=1))
 
 

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_model.drafter import train_logits
-from dflash_model.target import lm_head_weight
+from dflash_model.target import config_of, lm_head_weight
 
 # Paper values (K=8, 10, 16). Other K: gamma grows like K**0.7 through gamma(16) = 7 (a power law fitted to
 # the three published points: it gives 4.3, 5.0, 7.0 there): gamma(64) = 18.5 and gamma(128) = 30.0, so the last
@@ -35,7 +35,8 @@ def position_weights(block_size: int, gamma: float):
 
 def block_labels(tokens_BT, loss_mask_BT, anchors_BN, block_size: int):
     """Same-position labels [B, N, K] = tokens[a + k] and their validity (anchor real, k >= 1, inside the
-    sequence, and a loss-mask token); slot 0 is never a label."""
+    sequence, and a loss-mask token); slot 0 is never a label. `tokens_BT` may be any per-position label row
+    (e.g. the target's own greedy next token at each position, see `target_labels`)."""
     t = tokens_BT.shape[1]
     idx = anchors_BN[..., None] + jnp.arange(block_size, dtype=jnp.int32)
     inside = (anchors_BN[..., None] >= 0) & (idx < t) & (jnp.arange(block_size) >= 1)
@@ -45,7 +46,26 @@ def block_labels(tokens_BT, loss_mask_BT, anchors_BN, block_size: int):
     return labels, inside & in_mask
 
 
-def chunked_cross_entropy(target_model, hidden_MD, labels_M, chunk: int, teacher_MD=None, soft_weight: float = 0.0):
+def target_labels(tokens_BT, logits_BTV):
+    """[B, T] labels from the target itself: position t holds argmax(logits[t-1]), the target's greedy next token
+    after the real prefix tokens[:t] (position 0 keeps its token: nothing predicts it). Training on these labels
+    distills the target's greedy choices from text it did not write, without generating: one forward, which the
+    online step runs anyway."""
+    pred = jnp.argmax(logits_BTV[:, :-1], axis=-1).astype(tokens_BT.dtype)
+    return jnp.concatenate([tokens_BT[:, :1], pred], axis=1)
+
+
+def restrict_vocab(labels, valid, vocab_ids_N, vocab_size: int):
+    """(labels as indices into `vocab_ids_N`, validity) for a loss over a draft vocabulary: a label outside it
+    cannot be predicted and leaves the loss (FR-Spec's frequency-ranked drafting vocabulary, applied to training).
+    """
+    index = jnp.full((vocab_size,), -1, jnp.int32).at[vocab_ids_N].set(jnp.arange(vocab_ids_N.shape[0], dtype=jnp.int32))
+    sub = index[labels]
+    return jnp.maximum(sub, 0), valid & (sub >= 0)
+
+
+def chunked_cross_entropy(target_model, hidden_MD, labels_M, chunk: int, teacher_MD=None, soft_weight: float = 0.0,
+                          vocab_ids_N=None):
     """Per-row cross-entropy and argmax-correctness through the target's (frozen) lm_head, `chunk` rows at a time.
 
     The label of a row is the one-hot of `labels_M`, or with `teacher_MD` (the target's own final-normed hidden
@@ -59,8 +79,14 @@ def chunked_cross_entropy(target_model, hidden_MD, labels_M, chunk: int, teacher
     forward, backward) and holds no logits for the backward pass. Hand-written because no JAX library we use
     ships a fused linear cross-entropy; `tests/test_objective.py` checks values and gradients against the
     plain formula.
+
+    `vocab_ids_N` restricts the softmax to those lm_head rows (labels are then indices into it, see
+    `restrict_vocab`): N/V of the cost. Logits and the softmax are fp32 whatever the hidden dtype.
     """
-    w_DV = jax.lax.stop_gradient(lm_head_weight(target_model)).astype(hidden_MD.dtype)
+    w_DV = jax.lax.stop_gradient(lm_head_weight(target_model))
+    if vocab_ids_N is not None:
+        w_DV = jnp.take(w_DV, vocab_ids_N, axis=1)
+    w_DV = w_DV.astype(hidden_MD.dtype)
     m, d = hidden_MD.shape
     chunk = min(chunk, m)  # never pad a short batch up to a whole chunk (K=16 x 16 anchors is 256 rows, not 1024)
     n_chunks = math.ceil(m / chunk)
@@ -78,18 +104,19 @@ def chunked_cross_entropy(target_model, hidden_MD, labels_M, chunk: int, teacher
 
 
 def _ce_chunk(h_CD, y_C, t_CD, w_DV, soft_weight: float, with_grad: bool):
-    logits = jnp.einsum("CD,DV->CV", h_CD, w_DV).astype(jnp.float32)
+    logits = jnp.einsum("CD,DV->CV", h_CD, w_DV, preferred_element_type=jnp.float32)
     lse = jax.nn.logsumexp(logits, axis=-1)
     label = jax.nn.one_hot(y_C, logits.shape[-1], dtype=jnp.float32)
     if soft_weight:
-        teacher = jax.nn.softmax(jnp.einsum("CD,DV->CV", t_CD, w_DV).astype(jnp.float32), axis=-1)
+        teacher = jax.nn.softmax(jnp.einsum("CD,DV->CV", t_CD, w_DV, preferred_element_type=jnp.float32), axis=-1)
         label = (1.0 - soft_weight) * label + soft_weight * teacher
     nll = lse - jnp.sum(label * logits, axis=-1)
     correct = jnp.argmax(logits, axis=-1) == y_C
     if not with_grad:
         return nll, correct
     p = jnp.exp(logits - lse[:, None]) - label
-    return nll, correct, jnp.einsum("CV,DV->CD", p.astype(w_DV.dtype), w_DV).astype(h_CD.dtype)
+    return nll, correct, jnp.einsum("CV,DV->CD", p.astype(w_DV.dtype), w_DV, preferred_element_type=jnp.float32
+                                    ).astype(h_CD.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -115,7 +142,7 @@ _fused_ce.defvjp(_fused_ce_fwd, _fused_ce_bwd)
 
 def dflash_loss(drafter, target_model, features_BTF, tokens_BT, loss_mask_BT, anchors_BN, *, block_size: int,
                 gamma: float, ce_chunk: int = 1024, loss_positions: int | None = None, teacher_BTD=None,
-                soft_weight: float = 0.0):
+                soft_weight: float = 0.0, labels_BT=None, vocab_ids_N=None, compute_dtype=None):
     """Weighted CE of all anchor blocks, normalised by the weight sum; returns (loss, metrics).
 
     `loss_positions` P < K-1 trains only block slots 1..P: the drafter still runs the whole K-wide block (every
@@ -125,12 +152,18 @@ def dflash_loss(drafter, target_model, features_BTF, tokens_BT, loss_mask_BT, an
     `teacher_BTD` (the target's final-normed hidden states) with `soft_weight` > 0 distills: the label of slot k
     mixes in the target's distribution at position a+k-1 (see chunked_cross_entropy).
 
+    `labels_BT` replaces the text as the label row (block inputs stay the text's tokens): see `target_labels`.
+    `vocab_ids_N` trains against a draft vocabulary (see `restrict_vocab`; `acc` then counts in-vocabulary labels
+    only). `compute_dtype` (e.g. bfloat16) runs the drafter and the lm_head matmuls in that dtype; parameters,
+    softmax and loss stay fp32.
+
     metrics: `loss`, `acc` [P] per-position top-1 accuracy (slots 1..P, over valid labels), `sim_tau` =
     1 + sum_k prod_{j<=k} acc_j (expected committed tokens per round if positions were independent and a
     round stopped at the first miss; the 1 is the bonus token), `valid_labels`.
     """
-    hidden = train_logits(drafter, target_model, features_BTF, tokens_BT, anchors_BN, block_size, hidden_only=True)
-    labels, valid = block_labels(tokens_BT, loss_mask_BT, anchors_BN, block_size)
+    hidden = train_logits(drafter, target_model, features_BTF, tokens_BT, anchors_BN, block_size, hidden_only=True,
+                          compute_dtype=compute_dtype)
+    labels, valid = block_labels(tokens_BT if labels_BT is None else labels_BT, loss_mask_BT, anchors_BN, block_size)
     slots = block_size if loss_positions is None else min(int(loss_positions) + 1, block_size)
     hidden, labels, valid = hidden[:, :, :slots], labels[:, :, :slots], valid[:, :, :slots]
     d = hidden.shape[-1]
@@ -140,8 +173,10 @@ def dflash_loss(drafter, target_model, features_BTF, tokens_BT, loss_mask_BT, an
         t = teacher_BTD.shape[1]
         idx = jnp.clip(anchors_BN[..., None] + jnp.arange(slots, dtype=jnp.int32) - 1, 0, t - 1)
         teacher = jnp.take_along_axis(teacher_BTD, idx.reshape(idx.shape[0], -1)[..., None], axis=1).reshape(-1, d)
+    if vocab_ids_N is not None:
+        labels, valid = restrict_vocab(labels, valid, vocab_ids_N, config_of(target_model).vocab_size)
     nll, correct = chunked_cross_entropy(target_model, hidden.reshape(-1, d), labels.reshape(-1), ce_chunk,
-                                         teacher, soft_weight)
+                                         teacher, soft_weight, vocab_ids_N)
     nll, correct = nll.reshape(labels.shape), correct.reshape(labels.shape)
     w = position_weights(block_size, gamma)[:slots] * valid
     loss = jnp.sum(w * nll) / jnp.maximum(jnp.sum(w), 1e-9)

@@ -33,7 +33,7 @@ from dflash_model.drafter import build_drafter, check_pairing, drafter_config_fo
 from dflash_model.target import config_of, final_norm, forward
 from train.config import Config
 from train.data import build_train_dataset
-from train.objective import default_gamma, dflash_loss
+from train.objective import default_gamma, dflash_loss, target_labels
 
 log = logging.getLogger("dflash.train")
 
@@ -114,6 +114,21 @@ def make_optimizer(t, total_steps: int):
     return tx, sched
 
 
+def draft_vocabulary(records, vocab_size: int, size: int) -> np.ndarray:
+    """The `size` most frequent loss-mask tokens of the training records, most frequent first (ties by id):
+    the draft vocabulary of a reduced-vocabulary training loss (FR-Spec). Unseen tokens fill the tail in id order
+    when the data has fewer distinct ones."""
+    if not 1 <= size <= vocab_size:
+        raise ValueError(f"draft_vocab={size}: must be in 1..{vocab_size} (the target's vocabulary), or null")
+    counts = np.zeros(vocab_size, np.int64)
+    for i in range(len(records)):
+        r = records[i]
+        ids = np.asarray(r["input_ids"])
+        ids = ids[np.asarray(r["loss_mask"], bool)[: ids.size]]
+        counts += np.bincount(ids[(ids >= 0) & (ids < vocab_size)], minlength=vocab_size)
+    return np.argsort(-counts, kind="stable")[:size].astype(np.int32)
+
+
 def resolve_mesh(cfg, devices=None):
     devices = list(jax.devices() if devices is None else devices)
     m = {k: int(cfg.mesh[k]) for k in ("data", "fsdp", "tensor")}
@@ -137,7 +152,7 @@ def _tree_where(ok, new, old):
     return jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
 
 
-BATCH_KEYS = ("input_ids", "loss_mask", "lengths", "anchors", "features")
+BATCH_KEYS = ("input_ids", "loss_mask", "lengths", "anchors", "features", "labels")
 
 # Optimizer keys of cfg.train that the compiled step depends on.
 OPT_KEYS = ("lr", "warmup_ratio", "schedule", "final_lr_ratio", "weight_decay", "b1", "b2", "grad_clip")
@@ -157,6 +172,8 @@ class Program:
     distill_weight: float
     layer_ids: tuple
     zero_features: bool  # ablation (features.zero): how much of the drafter's skill comes from the target
+    target_labels: bool  # data.labels=target: labels are the target's greedy next tokens, not the text's
+    compute_dtype: str  # train.compute_dtype: the drafter's activations and matmuls (parameters stay fp32)
     opt: tuple
     total_steps: int
     mesh_key: tuple  # the sharding constraint below is only valid on the mesh it was made for
@@ -181,18 +198,21 @@ class Program:
         return make_optimizer(dict(self.opt), self.total_steps)
 
 
-def _loss(prog: Program, params, t_state, batch, step, nan_at):
+def _loss(prog: Program, params, t_state, batch, step, nan_at, vocab_ids=None):
     target = nnx.merge(prog.t_graph, jax.lax.stop_gradient(t_state))
     drafter = nnx.merge(prog.d_graph, params)
-    teacher = None
+    teacher, labels = None, batch.get("labels")
     if "features" in batch:
         features = batch["features"]
     else:
         # With distillation the forward also keeps the last layer: final-normed, it is the hidden state the
         # target's own next-token distribution comes from (the teacher), at no cost beyond this forward.
         last = (config_of(target).num_hidden_layers - 1,) if prog.distill_weight else ()
-        features = forward(target, batch["input_ids"], layer_ids=(*prog.layer_ids, *last),
-                           compute_logits=False).features
+        out = forward(target, batch["input_ids"], layer_ids=(*prog.layer_ids, *last),
+                      compute_logits=prog.target_labels)
+        features = out.features
+        if prog.target_labels:
+            labels = target_labels(batch["input_ids"], out.logits)
         if last:
             d = features.shape[-1] // (len(prog.layer_ids) + 1)
             features, teacher = features[..., :-d], final_norm(target, features[..., -d:])
@@ -201,17 +221,19 @@ def _loss(prog: Program, params, t_state, batch, step, nan_at):
     loss, metrics = dflash_loss(drafter, target, jax.lax.stop_gradient(features), batch["input_ids"],
                                 batch["loss_mask"], batch["anchors"], block_size=prog.block_size, gamma=prog.gamma,
                                 ce_chunk=prog.ce_chunk, loss_positions=prog.loss_positions,
-                                teacher_BTD=teacher, soft_weight=prog.distill_weight)
+                                teacher_BTD=teacher, soft_weight=prog.distill_weight,
+                                labels_BT=jax.lax.stop_gradient(labels) if labels is not None else None,
+                                vocab_ids_N=vocab_ids, compute_dtype=jnp.dtype(prog.compute_dtype))
     # debug.nan_at_step as a runtime value (-1 = off), so the knob does not change the compiled program.
     loss = jnp.where(step + 1 == nan_at, jnp.nan, loss)
     return loss, {**metrics, "loss": loss}
 
 
 @functools.partial(jax.jit, static_argnames=("prog",), donate_argnums=(0,))
-def train_step(state, t_state, batch, nan_at, *, prog: Program):
+def train_step(state, t_state, batch, nan_at, vocab_ids=None, *, prog: Program):
     tx, schedule = prog.optimizer()
     grad_fn = jax.value_and_grad(_loss, argnums=1, has_aux=True)
-    (loss, metrics), grads = grad_fn(prog, state["params"], t_state, batch, state["step"], nan_at)
+    (loss, metrics), grads = grad_fn(prog, state["params"], t_state, batch, state["step"], nan_at, vocab_ids)
     updates, opt = tx.update(grads, state["opt"], state["params"])
     params = optax.apply_updates(state["params"], updates)
     # A non-finite step changes nothing: the host stops the run and both the in-memory state and the
@@ -277,11 +299,17 @@ class Trainer:
         self.dataset, self.batches_per_epoch, records = build_train_dataset(
             cfg, vocab_size=self.target_cfg.vocab_size, mask_token_id=self.drafter_cfg.mask_token_id,
             tokenizer=tokenizer)
-        self.features = None
+        self.target_labels = cfg.data.labels == "target"
+        self.features = self.labels = None
         if cfg.features.mode == "offline":
             from train.features import open_or_build
 
-            self.features = open_or_build(self, records, chunk=int(cfg.train.batch_size) // jax.process_count())
+            self.features, self.labels = open_or_build(self, records,
+                                                       chunk=int(cfg.train.batch_size) // jax.process_count())
+        self.vocab_ids = None
+        if cfg.draft_vocab is not None:
+            ids = draft_vocabulary(records, self.target_cfg.vocab_size, int(cfg.draft_vocab))
+            self.vocab_ids = jax.device_put(jnp.asarray(ids), NamedSharding(self.mesh, PartitionSpec()))
         epoch_steps = self.batches_per_epoch * int(cfg.train.epochs)
         self.total_steps = int(cfg.train.steps) if cfg.train.steps is not None else epoch_steps
         if self.total_steps > epoch_steps:
@@ -384,13 +412,15 @@ class Trainer:
             ce_chunk=int(self.cfg.ce_chunk), loss_positions=self.loss_positions,
             distill_weight=self.distill_weight, layer_ids=tuple(self.drafter_cfg.target_layer_ids),
             zero_features=bool(self.cfg.features.zero),
+            target_labels=self.target_labels and self.features is None,
+            compute_dtype=str(self.cfg.train.compute_dtype),
             opt=tuple((k, t[k]) for k in OPT_KEYS), total_steps=self.total_steps,
             mesh_key=(tuple(self.mesh.shape.items()), tuple(d.id for d in self.mesh.devices.flat)),
             state_shardings=jax.tree.map(lambda x: x.sharding, self.state),
         )
 
     def loss_fn(self, params, t_state, batch, nan_at=-1):
-        return _loss(self.program(), params, t_state, batch, jnp.zeros((), jnp.int32), nan_at)
+        return _loss(self.program(), params, t_state, batch, jnp.zeros((), jnp.int32), nan_at, self.vocab_ids)
 
     def put_batch(self, batch: dict) -> dict:
         """Host numpy batch (this process's rows) -> global arrays sharded over (data, fsdp)."""
@@ -405,7 +435,8 @@ class Trainer:
     def grads(self, batch: dict):
         """(loss, grads) at the current params on a host batch: for sharding-equivalence checks."""
         prog = self.program()
-        fn = jax.jit(jax.value_and_grad(lambda p, t, b: _loss(prog, p, t, b, jnp.zeros((), jnp.int32), -1)[0]))
+        fn = jax.jit(jax.value_and_grad(
+            lambda p, t, b: _loss(prog, p, t, b, jnp.zeros((), jnp.int32), -1, self.vocab_ids)[0]))
         return fn(self.state["params"], self.t_state, self.put_batch(batch))
 
     # -- the loop ------------------------------------------------------------------------------------------
@@ -436,9 +467,11 @@ class Trainer:
                 host = next(self.iterator)
                 if self.features is not None:
                     host = {**host, "features": self.features[host["index"]]}
+                    if self.labels is not None:
+                        host["labels"] = self.labels[host["index"]]
                 batch = self.put_batch(host)
                 t0 = time.perf_counter()
-                self.state, metrics = train_step(self.state, self.t_state, batch, nan_at, prog=prog)
+                self.state, metrics = train_step(self.state, self.t_state, batch, nan_at, self.vocab_ids, prog=prog)
                 metrics = jax.device_get(metrics)  # one host sync per step: the NaN stop and the log need it
                 dt = time.perf_counter() - t0
                 step = int(self.state["step"])
