@@ -39,8 +39,8 @@ VARIANTS = {
     "offline": ["features.mode=offline"],
     "pos8": ["loss_positions=8"],
     "1layer": ["drafter.num_layers=1"],
-    "fast": ["train.compute_dtype=bfloat16", "target.dtype=bfloat16", "num_anchors=64", "draft_vocab=4096",
-             "features.mode=offline"],
+    "fast": ["num_anchors=64", "draft_vocab=4096", "features.mode=offline"],
+    "fast-1layer": ["num_anchors=64", "draft_vocab=4096", "features.mode=offline", "drafter.num_layers=1"],
 }
 
 

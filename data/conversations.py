@@ -78,24 +78,29 @@ def iter_jsonl(path: str | Path) -> Iterable[tuple[int, object]]:
 
 
 def load_conversations(
-    source, *, limit: int | None = None, require_assistant: bool = True
+    source, *, limit: int | None = None, require_assistant: bool = True, skip: int = 0
 ) -> tuple[list[dict], Counter]:
     """Normalised conversations and the count of dropped records per reason ("malformed", "empty").
 
     `source`: a JSONL path, the name "sharegpt" (the packaged ShareGPT V3 set), or a list of raw records.
-    `limit` caps the number of raw records read. Drops are logged as one warning with their counts.
+    `skip` raw records are passed over first, then `limit` caps the number of raw records read. Drops are logged
+    as one warning with their counts.
     """
+    if skip < 0:
+        raise ValueError(f"skip={skip}: must be >= 0")
     if isinstance(source, str) and source == "sharegpt":
         from data.assets import sharegpt
 
-        raw = enumerate(sharegpt(limit), 1)
+        raw = enumerate(sharegpt(None if limit is None else skip + limit), 1)
         name = "sharegpt"
     elif isinstance(source, str | Path):
         raw, name = iter_jsonl(source), Path(source).name
     else:
         raw, name = enumerate(source, 1), "records"
     out, dropped = [], Counter()
-    for n, (lineno, rec) in enumerate(raw):
+    for n, (lineno, rec) in enumerate(raw, -skip):
+        if n < 0:
+            continue
         if limit is not None and n >= limit:
             break
         res = normalize_record(rec, default_id=f"{name}:{lineno}", require_assistant=require_assistant)

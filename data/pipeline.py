@@ -150,8 +150,10 @@ def tokenizer_fingerprint(tok) -> str:
     return h.hexdigest()
 
 
-def cache_key(source_digest: str, tok, max_len: int, thinking: bool, limit: int | None) -> str:
+def cache_key(source_digest: str, tok, max_len: int, thinking: bool, limit: int | None, skip: int = 0) -> str:
     parts = [str(CACHE_FORMAT), source_digest, tokenizer_fingerprint(tok), str(max_len), str(thinking), str(limit)]
+    if skip:
+        parts.append(f"skip={skip}")  # only when set: caches made before `skip` existed keep their keys
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
@@ -166,7 +168,7 @@ def _source_file(source) -> Path | None:
 
 
 def load_tokenized(source, tok, max_len: int, *, thinking: bool = False, limit: int | None = None,
-                   cache_dir=None) -> TokenizedRecords:
+                   cache_dir=None, skip: int = 0) -> TokenizedRecords:
     """Tokenized records of a JSONL path, "sharegpt", or a list of raw records, through the on-disk cache.
 
     Files are cached in `cache_dir` or else next to the file (`<name>.tok-<key>/`); record lists only when
@@ -182,10 +184,10 @@ def load_tokenized(source, tok, max_len: int, *, thinking: bool = False, limit: 
     target = None
     if parent is not None:
         name = path.name if path is not None else "records"
-        target = parent / f"{name}.tok-{cache_key(digest, tok, max_len, thinking, limit)}"
+        target = parent / f"{name}.tok-{cache_key(digest, tok, max_len, thinking, limit, skip)}"
         if (target / "ids.json").is_file():
             return TokenizedRecords.load(target)
-    convs, _ = load_conversations(source, limit=limit)
+    convs, _ = load_conversations(source, limit=limit, skip=skip)
     records, _ = tokenize_all(convs, tok, max_len, thinking)
     if target is not None:
         _save_atomically(records, target)

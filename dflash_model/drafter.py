@@ -147,10 +147,17 @@ class DrafterConfig:
         return _from_zlab(raw, source)
 
     def to_zlab_config(self) -> dict[str, Any]:
-        """The config.json z-lab drafters ship and vLLM / SGLang read (dtype written as `torch_dtype`)."""
+        """The config.json z-lab drafters ship and vLLM / SGLang read (dtype written as `torch_dtype`).
+
+        `auto_map` makes `transformers.AutoModel.from_pretrained(dir, trust_remote_code=True)` (the route z-lab
+        documents) build z-lab's own DFlashDraftModel: it names the modeling file published in z-lab's model
+        repositories (ZLAB_MODELING) rather than copying it here. Without it that route silently builds a plain
+        Qwen3 model with no `fc` and `hidden_norm`.
+        """
         layer_types = list(self.layer_types or ("full_attention",) * self.num_hidden_layers)
         out = {
             "architectures": ["DFlashDraftModel"],
+            "auto_map": {"AutoModel": ZLAB_MODELING},
             "model_type": "qwen3",
             "block_size": self.block_size,
             "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)},
@@ -178,6 +185,10 @@ class DrafterConfig:
             out["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(self.rope_scaling)}
         return out
 
+
+# transformers' remote-code reference "<hub repo>--<module>.<class>": the DFlashDraftModel z-lab publishes beside its
+# b16 drafters (dflash.py in each model repository; any of them carries the same class).
+ZLAB_MODELING = "z-lab/Qwen3-8B-DFlash-b16--dflash.DFlashDraftModel"
 
 # Keys of dflash_config this implementation honours; any other one changes the algorithm (DFlash2 selectors,
 # logit soft-capping, sink biases, ...) and is refused rather than ignored.

@@ -91,8 +91,25 @@ def test_config_json_has_exactly_the_zlab_keys(exported):
         "architectures", "model_type", "block_size", "dflash_config", "num_target_layers", "hidden_size",
         "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
         "rms_norm_eps", "rope_theta", "rope_scaling", "max_position_embeddings", "layer_types", "sliding_window",
-        "use_sliding_window", "vocab_size", "hidden_act", "attention_bias", "torch_dtype",
+        "use_sliding_window", "vocab_size", "hidden_act", "attention_bias", "torch_dtype", "auto_map",
     }  # fmt: skip
+
+
+def test_automodel_route_points_at_zlab_modeling_code(exported):
+    """`AutoModel.from_pretrained(dir, trust_remote_code=True)` (z-lab's documented route) must build z-lab's
+    DFlashDraftModel: transformers reads auto_map.AutoModel, and a "<repo>--<module>.<Class>" reference makes it
+    fetch that module from the z-lab model repository. Checked through transformers' own parsing, no network."""
+    from transformers import AutoConfig
+    from transformers.dynamic_module_utils import get_class_in_module  # noqa: F401  (the loader that reads it)
+
+    _, out = exported
+    cfg = AutoConfig.from_pretrained(out)
+    assert cfg.model_type == "qwen3" and cfg.architectures == ["DFlashDraftModel"]
+    ref = cfg.auto_map["AutoModel"]
+    repo, module_class = ref.split("--")
+    module, cls = module_class.rsplit(".", 1)
+    assert repo.startswith("z-lab/") and module == "dflash" and cls == "DFlashDraftModel"
+    assert cfg.dflash_config == {"mask_token_id": 127, "target_layer_ids": [0, 1, 3]} and cfg.block_size == 4
 
 
 def test_bf16_round_trip_is_bit_exact(tmp_path):

@@ -241,3 +241,21 @@ def test_bf16_compute_matches_fp32(setup):
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(g16))
     cos = float(v16 @ v32 / (jnp.linalg.norm(v16) * jnp.linalg.norm(v32)))
     assert cos > 0.99, cos
+
+
+def test_greedy_path_mask():
+    """Slot k of a target-labelled block counts only while the text's tokens a+1..a+k-1 equal the target's
+    greedy labels there; labels equal to the text keep every slot."""
+    from train.objective import on_greedy_path
+
+    tokens = jnp.asarray([[5, 6, 7, 8, 9, 10, 11, 12]], jnp.int32)
+    labels = tokens.at[0, 3].set(99)  # the target would not have written token 3
+    anchors = jnp.asarray([[0, 3, 5]], jnp.int32)
+    path = np.asarray(on_greedy_path(tokens, labels, anchors, 4))
+    assert path[0, 0].tolist() == [True, True, True, True]  # slots 1,2 precede position 3; slot 3 IS position 3
+    assert path[0, 1].tolist() == [True, True, True, True]  # anchor 3: positions 4, 5 agree
+    labels2 = tokens.at[0, 2].set(99)
+    assert np.asarray(on_greedy_path(tokens, labels2, anchors, 4))[0, 0].tolist() == [True, True, True, False]
+    labels3 = tokens.at[0, 1].set(99)
+    assert np.asarray(on_greedy_path(tokens, labels3, anchors, 4))[0, 0].tolist() == [True, True, False, False]
+    assert np.asarray(on_greedy_path(tokens, tokens, anchors, 4)).all()

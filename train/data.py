@@ -88,7 +88,9 @@ def _conversation_batches(cfg, tokenizer, per_host_batch: int):
 
     if tokenizer is None:
         raise ValueError("a conversation data source needs a tokenizer (data.tokenizer or a GGUF/HF target)")
-    records = pipeline.load_tokenized(cfg.data.source, tokenizer, int(cfg.train.max_len))
+    limit = None if cfg.data.limit is None else int(cfg.data.limit)
+    records = pipeline.load_tokenized(cfg.data.source, tokenizer, int(cfg.train.max_len), limit=limit,
+                                      skip=int(cfg.data.skip))
     per_epoch = (len(records) // jax.process_count()) // per_host_batch
     ds = pipeline.build_dataset(records, tokenizer, int(cfg.train.max_len), per_host_batch, int(cfg.seed),
                                 num_epochs=int(cfg.train.epochs), num_anchors=int(cfg.num_anchors),

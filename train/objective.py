@@ -55,6 +55,21 @@ def target_labels(tokens_BT, logits_BTV):
     return jnp.concatenate([tokens_BT[:, :1], pred], axis=1)
 
 
+def on_greedy_path(tokens_BT, labels_BT, anchors_BN, block_size: int):
+    """[B, N, K] True where slot k's label continues the target's own greedy path from the anchor: every text
+    token a+1 .. a+k-1 before it equals the target's greedy choice there. Then the block's earlier labels are the
+    tokens the target would itself have written after token a, and slot k's label is its greedy next token after
+    them: the label a speculative round verifies. Past the first disagreement the target label was predicted after
+    a human token the target would not have chosen, a prefix no round sees; those slots leave the loss. Slot 1
+    is always on the path."""
+    t = tokens_BT.shape[1]
+    idx = jnp.clip(anchors_BN[..., None] + jnp.arange(block_size, dtype=jnp.int32), 0, t - 1)
+    agree = jnp.take_along_axis(tokens_BT == labels_BT, idx.reshape(idx.shape[0], -1), axis=1).reshape(idx.shape)
+    # slot k needs agreement at slots 1..k-1: an exclusive cumulative product (slot 0 holds the given token)
+    upto = jnp.cumprod(agree.at[..., 0].set(True), axis=-1).astype(bool)
+    return jnp.concatenate([jnp.ones_like(upto[..., :1]), upto[..., :-1]], axis=-1)
+
+
 def restrict_vocab(labels, valid, vocab_ids_N, vocab_size: int):
     """(labels as indices into `vocab_ids_N`, validity) for a loss over a draft vocabulary: a label outside it
     cannot be predicted and leaves the loss (FR-Spec's frequency-ranked drafting vocabulary, applied to training).
@@ -152,7 +167,8 @@ def dflash_loss(drafter, target_model, features_BTF, tokens_BT, loss_mask_BT, an
     `teacher_BTD` (the target's final-normed hidden states) with `soft_weight` > 0 distills: the label of slot k
     mixes in the target's distribution at position a+k-1 (see chunked_cross_entropy).
 
-    `labels_BT` replaces the text as the label row (block inputs stay the text's tokens): see `target_labels`.
+    `labels_BT` replaces the text as the label row (block inputs stay the text's tokens), on the target's greedy
+    path only: see `target_labels` and `on_greedy_path`.
     `vocab_ids_N` trains against a draft vocabulary (see `restrict_vocab`; `acc` then counts in-vocabulary labels
     only). `compute_dtype` (e.g. bfloat16) runs the drafter and the lm_head matmuls in that dtype; parameters,
     softmax and loss stay fp32.
@@ -164,6 +180,8 @@ def dflash_loss(drafter, target_model, features_BTF, tokens_BT, loss_mask_BT, an
     hidden = train_logits(drafter, target_model, features_BTF, tokens_BT, anchors_BN, block_size, hidden_only=True,
                           compute_dtype=compute_dtype)
     labels, valid = block_labels(tokens_BT if labels_BT is None else labels_BT, loss_mask_BT, anchors_BN, block_size)
+    if labels_BT is not None:
+        valid = valid & on_greedy_path(tokens_BT, labels_BT, anchors_BN, block_size)
     slots = block_size if loss_positions is None else min(int(loss_positions) + 1, block_size)
     hidden, labels, valid = hidden[:, :, :slots], labels[:, :, :slots], valid[:, :, :slots]
     d = hidden.shape[-1]
