@@ -13,6 +13,7 @@ DIR/acceptance.png and prints a table.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -23,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from infer.loading import load_draft_spec, load_target_spec
+from infer.loading import check_prompt_ids, load_draft_spec, load_target_spec
 from infer.plain import bucket_length
 from infer.spec import Engine
 
@@ -287,7 +288,9 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m infer.eval", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", required=True)
-    ap.add_argument("--draft", required=True)
+    ap.add_argument("--draft", required=True, action="append",
+                    help="none | ngram | random | a drafter directory, optionally SPEC@K; repeat to compare several "
+                         "in one interleaved run (one plain baseline)")
     ap.add_argument("--dataset", required=True, help="humaneval, gsm8k, mtbench or a .jsonl file")
     ap.add_argument("--limit", type=int, default=None)
     ap.add_argument("--max-new-tokens", type=int, required=True)
@@ -299,23 +302,50 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
+def _drafts(specs: list[str], target_cfg, block: int | None, seed: int):
+    """Draft objects for --draft values (SPEC or SPEC@K), with distinct names: a second drafter directory is
+    named by its directory."""
+    out = []
+    for spec in specs:
+        spec, _, k = spec.partition("@")
+        d = load_draft_spec(spec, target_cfg, int(k) if k else block, seed=seed)
+        if any(o.name == d.name for o in out):
+            d = dataclasses.replace(d, name=Path(spec).name)
+        out.append(d)
+    return out
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     target = load_target_spec(args.target, args.dtype)
-    draft = load_draft_spec(args.draft, target.config, args.block, seed=args.seed)
+    drafts = _drafts(args.draft, target.config, args.block, args.seed)
     rows = dataset_messages(args.dataset, args.limit)
     prompts = encode(rows, target.tokenizer)
+    check_prompt_ids(prompts, target.config, names=[f"--dataset {args.dataset}: prompt {r['id']}" for r in rows])
     stop_ids = ()
     if target.tokenizer is not None:
         from dflash_model.tokenizer import stop_token_ids
 
         stop_ids = stop_token_ids(target.tokenizer)
-    rep = run_eval(target.model, draft, prompts, max_new_tokens=args.max_new_tokens, stop_ids=stop_ids,
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if len(drafts) > 1:
+        reports = run_comparison(target.model, drafts, prompts, max_new_tokens=args.max_new_tokens,
+                                 stop_ids=stop_ids, ids=[r["id"] for r in rows], progress=not args.no_progress)
+        rep = {"command": " ".join(["python -m infer.eval", *(sys.argv[1:] if argv is None else argv)]),
+               "target": str(target.path), "dataset": args.dataset, "device": str(jax.devices()[0]),
+               "dtype": target.config.dtype, "reports": reports}
+        (out / "eval.json").write_text(json.dumps(rep, indent=1))
+        plot_comparison(reports, out / "acceptance.png", title=f"{args.dataset}: per-position acceptance")
+        table = format_comparison(reports)
+        (out / "table.md").write_text(table + "\n")
+        print(table)
+        print(f"wrote {out / 'eval.json'}, {out / 'table.md'} and {out / 'acceptance.png'}")
+        return rep
+    rep = run_eval(target.model, drafts[0], prompts, max_new_tokens=args.max_new_tokens, stop_ids=stop_ids,
                    ids=[r["id"] for r in rows], progress=not args.no_progress)
     rep.update(target=str(target.path), dataset=args.dataset, device=str(jax.devices()[0]),
                dtype=target.config.dtype)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     (out / "eval.json").write_text(json.dumps(rep, indent=1))
     plot_acceptance(rep, out / "acceptance.png")
     print(format_table(rep))

@@ -14,7 +14,7 @@ import argparse
 import json
 import sys
 
-from infer.loading import load_draft_spec, load_target_spec
+from infer.loading import check_prompt_ids, load_draft_spec, load_target_spec
 from infer.spec import Engine
 
 
@@ -61,6 +61,7 @@ def run(args) -> dict:
     target = load_target_spec(args.target, args.dtype)
     draft = load_draft_spec(args.draft, target.config, args.block, seed=args.seed)
     ids = prompt_ids(args, target.tokenizer)
+    check_prompt_ids([ids], target.config, names=["--prompt-ids" if args.prompt_ids is not None else "--prompt"])
     stop_ids = ()
     if target.tokenizer is not None:
         from dflash_model.tokenizer import stop_token_ids

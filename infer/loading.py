@@ -105,3 +105,18 @@ def random_drafter(target_cfg, seed: int = 0):
                 continue
     cfg = cfg.replace(dtype=target_cfg.dtype)
     return cfg, build_drafter(cfg, seed=seed)
+
+
+def check_prompt_ids(prompts: list[list[int]], target_cfg, names=None, where: str = "prompt") -> None:
+    """Refuse token ids outside the target's vocabulary (an out-of-range id embeds as NaN or wraps, and target and
+    drafter then agree on garbage: a perfect tau for nothing) and prompts that leave no room in its positions."""
+    v, cap = target_cfg.vocab_size, target_cfg.max_position_embeddings
+    for i, ids in enumerate(prompts):
+        name = names[i] if names else f"{where} {i}"
+        bad = [t for t in ids if not 0 <= int(t) < v]
+        if bad:
+            raise SystemExit(f"{name}: token id {bad[0]} is outside the target's vocabulary 0..{v - 1} "
+                             f"(vocab_size {v}){f'; {len(bad)} such ids' if len(bad) > 1 else ''}")
+        if len(ids) >= cap:
+            raise SystemExit(f"{name}: {len(ids)} prompt tokens leave no room in the target's {cap} positions")
+

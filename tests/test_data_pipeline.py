@@ -89,6 +89,23 @@ def test_sharegpt_records_normalise():
     assert len({c["id"] for c in convs}) == 196
 
 
+def test_skip_passes_over_records_and_keys_the_cache(tmp_path, smol_tok):
+    """data.skip: records [skip, skip + limit) of the source, and a tokenized cache of its own."""
+    convs, _ = load_conversations("sharegpt", limit=200)
+    later, _ = load_conversations("sharegpt", limit=100, skip=100)
+    first_ids = {c["id"] for c in convs}
+    assert [c["id"] for c in later] == [c["id"] for c in convs if c["id"] in {x["id"] for x in later}]
+    assert later[0]["id"] not in {c["id"] for c in load_conversations("sharegpt", limit=100)[0]}
+    assert {c["id"] for c in later} <= first_ids and len(later) >= 95
+    recs = [{"id": f"c{i}", "messages": [{"role": "user", "content": f"Q{i}?"},
+                                         {"role": "assistant", "content": f"A{i}."}]} for i in range(5)]
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert pipeline.load_tokenized(path, smol_tok, 64, skip=2).ids == ["c2", "c3", "c4"]
+    assert pipeline.load_tokenized(path, smol_tok, 64).ids == [f"c{i}" for i in range(5)]  # not the skip's cache
+    assert len(list(tmp_path.glob("d.jsonl.tok-*"))) == 2
+
+
 # --------------------------------------------------------------------------------------- loss masks
 
 

@@ -42,8 +42,13 @@ def init_distributed() -> bool:
 def main(argv: list[str] | None = None) -> dict:
     from train.config import cli_overrides, load_config
 
+    args = sys.argv[1:] if argv is None else argv
+    if any(a in ("-h", "--help") for a in args):
+        configs = sorted(p.stem for p in (Path(__file__).resolve().parent.parent / "configs").glob("*.yml"))
+        print(__doc__.strip() + "\n\nconfigs: " + ", ".join(configs) + "\nkeys and defaults: configs/base.yml")
+        return {}
     init_distributed()
-    name, overrides = cli_overrides(sys.argv[1:] if argv is None else argv)
+    name, overrides = cli_overrides(args)
     cfg = load_config(name, overrides)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every checkpoint step at INFO

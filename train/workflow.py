@@ -8,6 +8,8 @@ checkpoints, export, eval JSON), so a second run of the same config skips what i
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import logging
 import time
@@ -194,7 +196,16 @@ def final_eval(cfg, trainer, tokenizer, rows: list[dict], export_dir: Path | Non
     else:
         drafter = trainer.drafter()
         dflash = dflash_draft("dflash", drafter, drafter.config, block, zero_features=zero)
-    drafts = [dflash, load_draft_spec("ngram", target_cfg, int(e.ngram_block))]
+    drafts = [dflash]
+    if e.shipped is not None:
+        shipped = Path(e.shipped)
+        if (shipped / "config.json").is_file():
+            # A committed drafter trained by the long recipe, served from its files as a server would load them.
+            drafts.append(dataclasses.replace(load_draft_spec(str(shipped), target_cfg, dtype=target_cfg.dtype),
+                                              name="shipped"))
+        else:
+            log.info("eval: no shipped drafter at eval.shipped=%s; its row is left out", shipped)
+    drafts.append(load_draft_spec("ngram", target_cfg, int(e.ngram_block)))
     prompts = encode(rows, tokenizer)
     keep = [i for i, p in enumerate(prompts) if len(p) <= int(e.max_prompt_tokens)]
     if len(keep) < len(prompts):
