@@ -151,7 +151,8 @@ def main(argv=None) -> dict:
            "regenerated_reply_tokens": reply_tokens, "regen_tokens_per_s": REGEN_TOKENS_PER_S,
            "heldout_replies": len(heldout), "arms": rows, "table": "\n".join(table)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(rep, indent=1))
+    # No path of this machine in a committed result: the home directory reads as ~.
+    Path(args.out).write_text(json.dumps(rep, indent=1).replace(str(Path.home()), "~"))
     return rep
 
 

@@ -204,7 +204,8 @@ def main(argv=None) -> dict:
            "config": args.config, "machine": platform.processor() or platform.machine(),
            "variants": {n: VARIANTS[n] for n in args.variants}, "rows": rows, "table": table}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(rep, indent=1))
+    # No path of this machine in a committed result: the home directory reads as ~.
+    Path(args.out).write_text(json.dumps(rep, indent=1).replace(str(Path.home()), "~"))
     return rep
 
 

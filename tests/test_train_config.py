@@ -5,7 +5,7 @@ import pytest
 from train.config import ConfigKeyError, cli_overrides, load_config, parse_value
 
 
-@pytest.mark.parametrize("name", ["smollm2-135m", "qwen3-4b", "qwen3-8b", "llama-3.1-8b", "tiny"])
+@pytest.mark.parametrize("name", ["smollm2-135m", "smollm2-135m-long", "qwen3-4b", "qwen3-8b", "llama-3.1-8b", "tiny"])
 def test_presets_load(name):
     cfg = load_config(name)
     assert cfg.train.lr > 0 and cfg.block_size >= 2
@@ -14,7 +14,15 @@ def test_presets_load(name):
 
 def test_smollm2_default_is_k64():
     cfg = load_config("smollm2-135m")
-    assert cfg.block_size == 64 and cfg.target.path == "asset:smollm2" and cfg.gamma is None
+    assert cfg.block_size == 64 and cfg.target.path == "asset:smollm2" and cfg.gamma == 5.0
+    assert cfg.draft_vocab == 4096 and cfg.eval.shipped == "drafters/smollm2-135m-dflash"
+
+
+def test_new_choices_are_checked():
+    with pytest.raises(ValueError, match="train.compute_dtype='fp8'"):
+        load_config("tiny", ["train.compute_dtype=fp8"])
+    with pytest.raises(ValueError, match="data.labels='model'"):
+        load_config("tiny", ["data.labels=model"])
 
 
 def test_unknown_key_rejected_with_name_and_suggestion():

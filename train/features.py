@@ -14,6 +14,7 @@ a barrier after meta.json is written.
 from __future__ import annotations
 
 import json
+import time
 import logging
 import shutil
 from pathlib import Path
@@ -83,7 +84,13 @@ def _build(trainer, records, root: Path, meta: dict, chunk: int, *, write: bool)
         return out.features, (target_labels(ids, out.logits) if with_labels else ids)
 
     fn = jax.jit(features_and_labels, out_shardings=(replicated, replicated))
+    t0, last_log = time.perf_counter(), time.perf_counter()
     for lo in range(0, n, chunk):
+        if write and time.perf_counter() - last_log > 60:
+            done, secs = lo, time.perf_counter() - t0
+            log.info("features: %d/%d records, %.1f records/s, eta %.1f min", done, n, done / secs,
+                     (n - done) / max(done / secs, 1e-9) / 60)
+            last_log = time.perf_counter()
         rows = [records[i] for i in range(lo, min(lo + chunk, n))]
         ids = np.zeros((chunk, t), np.int32)  # a fixed chunk shape: one compilation
         for j, r in enumerate(rows):
