@@ -335,7 +335,8 @@ def main(argv=None) -> dict:
         rep = {"command": " ".join(["python -m infer.eval", *(sys.argv[1:] if argv is None else argv)]),
                "target": str(target.path), "dataset": args.dataset, "device": str(jax.devices()[0]),
                "dtype": target.config.dtype, "reports": reports}
-        (out / "eval.json").write_text(json.dumps(rep, indent=1))
+        # No path of this machine in a result meant to be committed: the home directory reads as ~.
+        (out / "eval.json").write_text(json.dumps(rep, indent=1).replace(str(Path.home()), "~"))
         plot_comparison(reports, out / "acceptance.png", title=f"{args.dataset}: per-position acceptance")
         table = format_comparison(reports)
         (out / "table.md").write_text(table + "\n")

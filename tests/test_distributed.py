@@ -63,7 +63,7 @@ def _launch(run_dir: Path, logs: Path, num_processes: int = 2, extra: tuple[str,
     return procs
 
 
-def _wait(procs, deadline: float) -> str:
+def _wait(procs, deadline: float, ok=(0,)) -> str:
     """Wait for all; on the deadline or a failed process, kill the rest (a lone survivor would wait in a
     collective for its peer) and return every process's output tail for the assertion message."""
     failed = None
@@ -71,7 +71,7 @@ def _wait(procs, deadline: float) -> str:
         if time.time() > deadline:
             failed = f"timed out after {TIMEOUT_S} s"
             break
-        if any(p.poll() not in (None, 0) for p, _ in procs):
+        if any(p.poll() not in (None, *ok) for p, _ in procs):
             time.sleep(5)  # let the peer print its own error, then stop it
             failed = "a process failed"
             break
@@ -81,7 +81,7 @@ def _wait(procs, deadline: float) -> str:
             p.kill()
         p.wait()
     report = "\n".join(f"--- process {i} (rc {p.returncode}) ---\n{_tail(err)}" for i, (p, err) in enumerate(procs))
-    if failed is None and any(p.returncode != 0 for p, _ in procs):
+    if failed is None and any(p.returncode not in ok for p, _ in procs):
         failed = "a process failed"
     return f"{failed}\n{report}" if failed else ""
 
@@ -175,6 +175,8 @@ def test_a_signal_to_one_process_stops_both_at_the_same_step(tmp_path):
     import re
     import signal
 
+    from train.run import STOPPED_EXIT
+
     run_dir = tmp_path / "run"
     procs = _launch(run_dir, tmp_path, extra=("train.steps=60", "checkpoint.every_steps=100",
                                               "debug.sleep_per_step=0.2"))
@@ -184,8 +186,9 @@ def test_a_signal_to_one_process_stops_both_at_the_same_step(tmp_path):
         assert time.time() < deadline and all(p.poll() is None for p, _ in procs), _wait(procs, deadline)
         time.sleep(0.2)
     os.kill(procs[1][0].pid, signal.SIGTERM)
-    failure = _wait(procs, deadline)
+    failure = _wait(procs, deadline, ok=(STOPPED_EXIT,))
     assert not failure, failure
+    assert [p.returncode for p, _ in procs] == [STOPPED_EXIT] * 2  # stopped, not finished: a scheduler sees it
     logs = [_tail(err, 10**6) for _, err in procs]
     stops = [re.findall(r"SIGTERM received( by another process)?: checkpointing step (\d+) and stopping", log)
              for log in logs]

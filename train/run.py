@@ -99,5 +99,13 @@ def main(argv: list[str] | None = None) -> dict:
     return summary
 
 
+# A run stopped by SIGTERM / SIGINT saved its step and can resume, but it did not finish: a scheduler must see that.
+STOPPED_EXIT = 75  # EX_TEMPFAIL: "try again later"
+
+
 if __name__ == "__main__":
-    main()
+    summary = main()
+    if summary.get("stopped_by"):
+        print(f"stopped by {summary['stopped_by']} at step {summary['step']} after checkpointing it; run the same "
+              f"command again to resume (exit {STOPPED_EXIT})", file=sys.stderr)
+        sys.exit(STOPPED_EXIT)
