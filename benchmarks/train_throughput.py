@@ -65,13 +65,7 @@ def phases(trainer, repeats: int = 3) -> dict:
     from train.objective import chunked_cross_entropy
 
     t0 = time.perf_counter()
-    host = next(trainer.iterator)
-    if trainer.features is not None:
-        host = {**host, "features": trainer.features[host["index"]]}
-        if trainer.labels is not None:
-            host["labels"] = trainer.labels[host["index"]]
-    batch = trainer.put_batch(host)
-    jax.block_until_ready(batch)
+    batch = jax.block_until_ready(trainer.next_batch())
     out = {"host_s": time.perf_counter() - t0}
 
     prog = trainer.program()

@@ -432,6 +432,16 @@ class Trainer:
             out[k] = jax.make_array_from_process_local_data(shd.batch_sharding(self.mesh, v.ndim), v)
         return out
 
+    def next_batch(self) -> dict:
+        """The next training batch on the mesh: the grain iterator's rows, plus their offline features (and target
+        labels) read by record index when the features are precomputed."""
+        host = next(self.iterator)
+        if self.features is not None:
+            host = {**host, "features": self.features[host["index"]]}
+            if self.labels is not None:
+                host["labels"] = self.labels[host["index"]]
+        return self.put_batch(host)
+
     def grads(self, batch: dict):
         """(loss, grads) at the current params on a host batch: for sharding-equivalence checks."""
         prog = self.program()
@@ -464,12 +474,7 @@ class Trainer:
         stopped = None
         try:
             while self.step < end:
-                host = next(self.iterator)
-                if self.features is not None:
-                    host = {**host, "features": self.features[host["index"]]}
-                    if self.labels is not None:
-                        host["labels"] = self.labels[host["index"]]
-                batch = self.put_batch(host)
+                batch = self.next_batch()
                 t0 = time.perf_counter()
                 self.state, metrics = train_step(self.state, self.t_state, batch, nan_at, self.vocab_ids, prog=prog)
                 metrics = jax.device_get(metrics)  # one host sync per step: the NaN stop and the log need it
