@@ -14,9 +14,9 @@ a barrier after meta.json is written.
 from __future__ import annotations
 
 import json
-import time
 import logging
 import shutil
+import time
 from pathlib import Path
 
 import jax

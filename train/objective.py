@@ -74,7 +74,8 @@ def restrict_vocab(labels, valid, vocab_ids_N, vocab_size: int):
     """(labels as indices into `vocab_ids_N`, validity) for a loss over a draft vocabulary: a label outside it
     cannot be predicted and leaves the loss (FR-Spec's frequency-ranked drafting vocabulary, applied to training).
     """
-    index = jnp.full((vocab_size,), -1, jnp.int32).at[vocab_ids_N].set(jnp.arange(vocab_ids_N.shape[0], dtype=jnp.int32))
+    n = vocab_ids_N.shape[0]
+    index = jnp.full((vocab_size,), -1, jnp.int32).at[vocab_ids_N].set(jnp.arange(n, dtype=jnp.int32))
     sub = index[labels]
     return jnp.maximum(sub, 0), valid & (sub >= 0)
 

@@ -9,7 +9,6 @@ checkpoints, export, eval JSON), so a second run of the same config skips what i
 from __future__ import annotations
 
 import dataclasses
-
 import json
 import logging
 import time
