@@ -119,4 +119,3 @@ def check_prompt_ids(prompts: list[list[int]], target_cfg, names=None, where: st
                              f"(vocab_size {v}){f'; {len(bad)} such ids' if len(bad) > 1 else ''}")
         if len(ids) >= cap:
             raise SystemExit(f"{name}: {len(ids)} prompt tokens leave no room in the target's {cap} positions")
-
