@@ -1,7 +1,7 @@
 """Replace conversations' assistant replies with the target's own greedy replies (DFlash trains on them).
 
   python -m data.regenerate --target PATH|smollm2 --input FILE.jsonl|sharegpt --output OUT.jsonl \\
-      [--limit N] [--batch-size 8] [--max-new-tokens 256] [--max-prompt-tokens 512]
+      [--skip N] [--limit N] [--batch-size 8] [--max-new-tokens 256] [--max-prompt-tokens 512]
 
 Each conversation is cut after its first user turn (system turns before it kept) and the first assistant reply
 is regenerated; later turns are dropped. Regenerating a multi-turn conversation turn by turn costs one
@@ -158,12 +158,15 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--target", required=True, help="HF model directory, .gguf file, or 'smollm2'")
     ap.add_argument("--input", required=True, help="conversation JSONL, or 'sharegpt' (the packaged ShareGPT V3)")
     ap.add_argument("--output", required=True, help="JSONL to write (appended to when resuming)")
-    ap.add_argument("--limit", type=int, default=None, help="read at most N input records")
+    ap.add_argument("--skip", type=int, default=0,
+                    help="pass over the first N input records (e.g. another run's held-out ones)")
+    ap.add_argument("--limit", type=int, default=None, help="read at most N input records (after the skipped ones)")
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--max-prompt-tokens", type=int, default=512, help="longer prompts are skipped")
     args = ap.parse_args(argv)
-    conversations, dropped = load_conversations(args.input, limit=args.limit, require_assistant=False)
+    conversations, dropped = load_conversations(args.input, limit=args.limit, skip=args.skip,
+                                             require_assistant=False)
     model, tok = load(args.target)
     stats = regenerate(model, tok, conversations, args.output, batch_size=args.batch_size,
                        max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens)

@@ -236,3 +236,23 @@ def test_drafter_layer_types_from_the_config():
         dcfg("drafter.sliding_window=4")
     with pytest.raises(ConfigError, match="layer_types has 1 entries for num_hidden_layers=2"):
         dcfg("drafter.layer_types=[sliding_attention]")
+
+
+def test_drafter_init_starts_from_an_exported_drafter(run30, tmp_path):
+    """drafter.init loads a z-lab export's weights in place of the random init (a different K is fine: the weights
+    do not depend on it); another architecture is refused naming the key and the field."""
+    from dflash_model.drafter_weights import load_drafter
+
+    export = run30[0] / "export"
+    _, exported = load_drafter(export, dtype="float32")
+    tr = Trainer(load_config("tiny", [f"run_dir={tmp_path / 'ft'}", f"drafter.init={export}", "block_size=4",
+                                      "seed=1"]), restore=False)
+    fresh = Trainer(load_config("tiny", [f"run_dir={tmp_path / 'fresh'}", "seed=1"]), restore=False)
+    got, want, control = _params(tr.drafter()), _params(exported), _params(fresh.drafter())
+    assert set(got) == set(want)
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=str(k))
+    assert max(float(np.abs(control[k] - want[k]).max()) for k in want) > 1e-2  # the seed alone gives other weights
+    with pytest.raises(ValueError, match=r"drafter.init=.*num_hidden_layers"):
+        Trainer(load_config("tiny", [f"run_dir={tmp_path / 'bad'}", f"drafter.init={export}",
+                                     "drafter.num_layers=1", "drafter.target_layer_ids=[0, 2]"]), restore=False)

@@ -95,6 +95,24 @@ def drafter_config(cfg, target_cfg):
     return dcfg
 
 
+def init_weights(drafter, dcfg, init_dir, target_cfg) -> None:
+    """Overwrite `drafter`'s parameters (in place) with a z-lab drafter directory's, cast to fp32.
+
+    The directory's architecture must equal `dcfg` but for block_size (the weights do not depend on K) and dtype;
+    a difference is an error naming drafter.init and the fields.
+    """
+    from dflash_model.drafter_weights import load_drafter
+
+    icfg, loaded = load_drafter(init_dir, target_cfg, dtype="float32")
+    icfg = icfg.replace(block_size=dcfg.block_size)
+    if icfg != dcfg:
+        diff = {f.name: (getattr(icfg, f.name), getattr(dcfg, f.name)) for f in dataclasses.fields(dcfg)
+                if getattr(icfg, f.name) != getattr(dcfg, f.name)}
+        raise ValueError(f"drafter.init={init_dir}: its architecture differs from the config's "
+                         f"(field: (checkpoint, config)): {diff}")
+    nnx.update(drafter, nnx.state(loaded, nnx.Param))
+
+
 def make_optimizer(t, total_steps: int):
     """(AdamW + warmup-cosine + global-norm clipping, the schedule) from cfg.train's keys. Norm scales and other
     1-D params do not decay."""
@@ -282,7 +300,12 @@ class Trainer:
 
         shd.shard_model(self.target, self.mesh)
         drafter = build_drafter(self.drafter_cfg, seed=int(cfg.seed))
-        if cfg.drafter.init_logit_std is not None:
+        if cfg.drafter.init is not None:
+            if cfg.drafter.init_logit_std is not None:
+                raise ValueError("drafter.init and drafter.init_logit_std both set: a loaded drafter keeps its own "
+                                 "output norm")
+            init_weights(drafter, self.drafter_cfg, cfg.drafter.init, self.target_cfg)
+        elif cfg.drafter.init_logit_std is not None:
             drafter = scale_output_norm(drafter, self.target, float(cfg.drafter.init_logit_std))
         drafter = shd.shard_model(drafter, self.mesh)
         self.d_graph, params = nnx.split(drafter)
