@@ -8,6 +8,7 @@ directory, so the compiled step is reused (same Program) and the file costs one 
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -99,6 +100,55 @@ def test_damaged_latest_checkpoint_falls_back(run30, tmp_path):
     assert tr.restored_step == 20
     tr.train(max_steps=3)
     assert [r["loss"] for r in _records(run_dir)] == [r["loss"] for r in _records(run30[0])][:23]
+    # The damaged step is set aside (kept, not deleted), so it does not block saving step 30 again.
+    assert [d.name.split("-")[0] for d in (run_dir / "checkpoints" / "damaged").iterdir()] == ["30"]
+    tr.train()
+    assert tr.ckpt.latest_step() == 30
+    assert Trainer(load_config("tiny", [f"run_dir={run_dir}"])).restored_step == 30
+
+
+def test_resume_refuses_a_different_drafter_and_keeps_the_checkpoints(run30, tmp_path):
+    """A changed drafter architecture is a config change, not damage: refused by name, nothing deleted or moved."""
+    run_dir = _copy(run30, tmp_path, keep_steps={20, 30})
+    with pytest.raises(ValueError, match=r"drafter num_hidden_layers=2 in the checkpoint but 3 now"):
+        Trainer(load_config("tiny", [f"run_dir={run_dir}", "drafter.num_layers=3"]))
+    assert sorted(d.name for d in (run_dir / "checkpoints").iterdir() if d.name.isdigit()) == ["20", "30"]
+    assert not (run_dir / "checkpoints" / "damaged").exists()
+
+
+def test_more_steps_on_a_finished_run_say_what_the_schedule_does(run30, tmp_path, caplog):
+    run_dir = _copy(run30, tmp_path, keep_steps={30})
+    with caplog.at_level("WARNING", logger="dflash.train"):
+        tr = Trainer(load_config("tiny", [f"run_dir={run_dir}", "train.steps=60", "train.epochs=6"]))
+    assert tr.restored_step == 30
+    assert re.search(r"train.steps is 60 now, 30 when step 30 was saved.*moves from \S+ to \S+", caplog.text)
+
+
+def test_a_torn_metrics_line_is_dropped_on_restore(run30, tmp_path):
+    run_dir = _copy(run30, tmp_path, keep_steps={30})
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write('{"step": 31, "loss": 1.2')  # killed mid-write
+    Trainer(load_config("tiny", [f"run_dir={run_dir}"]))
+    assert [r["step"] for r in _records(run_dir)] == list(range(1, 31))
+
+
+def test_a_second_training_in_one_run_dir_is_refused(tmp_path):
+    """The run_dir lock refuses a second training while one holds it, and dies with its holder (kill -9)."""
+    from dflash_model.files import RunLock
+
+    run_dir = tmp_path / "locked"
+    held = RunLock(run_dir)
+    tr = Trainer(load_config("tiny", [f"run_dir={run_dir}"]), restore=False)
+    with pytest.raises(RuntimeError, match=rf"{run_dir} is being trained by pid {os.getpid()}"):
+        tr.train(max_steps=1)
+    held.release()
+    tr.train(max_steps=1)
+    assert tr.step == 1
+    code = ("import os, signal, sys; from dflash_model.files import RunLock; RunLock(sys.argv[1]); "
+            "os.kill(os.getpid(), signal.SIGKILL)")
+    proc = subprocess.run([sys.executable, "-c", code, str(run_dir)], cwd=REPO)
+    assert proc.returncode == -signal.SIGKILL
+    RunLock(run_dir).release()  # the killed holder's lock is gone with it
 
 
 def test_resume_refuses_a_different_objective(run30, tmp_path):

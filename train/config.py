@@ -117,26 +117,106 @@ def load_config(name_or_path: str | Path = "smollm2-135m", overrides: list[str] 
     raw = _read(path)
     cfg = _merge(schema, raw, schema, where=str(path))  # a preset may only set keys base.yml defines
     cfg = apply_overrides(cfg, overrides or [], schema)
-    _validate(cfg)
+    _validate(cfg, schema)
     # `{block_size}` in run_dir: `--block 16` and `--block 128` of one preset get their own run directories
     # (a checkpoint refuses to resume under another block size).
     cfg["run_dir"] = str(cfg["run_dir"]).replace("{block_size}", str(cfg["block_size"]))
     return Config(cfg)
 
 
-def _validate(cfg: dict) -> None:
+# Keys whose default in base.yml is null, so the schema cannot give their type: (type, lower bound), None allowed.
+_NULLABLE = {
+    "gamma": (float, 0.0), "loss_positions": (int, 1), "draft_vocab": (int, 1), "train.steps": (int, 1),
+    "data.limit": (int, 1), "eval.block": (int, 2), "drafter.intermediate_size": (int, 1),
+    "drafter.sliding_window": (int, 1), "drafter.init_logit_std": (float, 0.0), "checkpoint.max_to_keep": (int, 2),
+    "debug.nan_at_step": (int, 1),
+}
+# Lower bounds of keys with a non-null default (their type is the default's): a count of zero or a negative
+# rate is a typo, and found here it costs nothing; found at step 1 (or never) it costs a run.
+_AT_LEAST = {
+    "block_size": 2, "num_anchors": 1, "ce_chunk": 1, "train.lr": 0.0, "train.batch_size": 1, "train.max_len": 2,
+    "train.epochs": 1, "train.warmup_ratio": 0.0, "train.final_lr_ratio": 0.0, "train.weight_decay": 0.0,
+    "train.grad_clip": 0.0, "checkpoint.every_steps": 1, "log.every": 1, "data.num_records": 1, "data.skip": 0,
+    "drafter.num_layers": 1, "drafter.n_features": 1, "eval.num_prompts": 1, "eval.max_new_tokens": 1,
+    "eval.max_prompt_tokens": 1, "eval.ngram_block": 2, "data.regenerate.limit": 1, "data.regenerate.heldout": 0,
+    "data.regenerate.max_new_tokens": 1, "data.regenerate.max_prompt_tokens": 1, "data.regenerate.batch_size": 1,
+    "debug.sleep_per_step": 0.0, "distill_weight": 0.0,
+}
+_STRICTLY_POSITIVE = {"train.lr", "gamma"}
+_AT_MOST = {"train.warmup_ratio": 1.0, "train.final_lr_ratio": 1.0, "distill_weight": 1.0}
+DATA_SOURCES = ("synthetic", "regenerate", "sharegpt")
+
+
+def _leaves(tree: dict, prefix: str = ""):
+    for k, v in tree.items():
+        if isinstance(v, dict) and v:
+            yield from _leaves(v, f"{prefix}{k}.")
+        else:
+            yield f"{prefix}{k}", v
+
+
+def _get(tree: dict, dotted: str):
+    for part in dotted.split("."):
+        tree = tree[part]
+    return tree
+
+
+def _check_type(key: str, value, default) -> None:
+    """value must have the type of base.yml's default (an int is a fine float; bools are not numbers)."""
+    if value is None or default is None:
+        return
+    want = type(default)
+    ok = (isinstance(value, bool) if want is bool else
+          isinstance(value, int) and not isinstance(value, bool) if want is int else
+          isinstance(value, (int, float)) and not isinstance(value, bool) if want is float else
+          isinstance(value, want))
+    if not ok:
+        raise ValueError(f"{key}={value!r}: expected {want.__name__} (as {key}={default!r} in configs/base.yml)")
+
+
+def _check_range(key: str, value, kind=None, low=None) -> None:
+    if value is None:
+        return
+    if kind is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool)
+                                 and (kind is float or isinstance(value, int))):
+        raise ValueError(f"{key}={value!r}: expected {kind.__name__} or null")
+    if low is not None and (value <= low if key in _STRICTLY_POSITIVE else value < low):
+        raise ValueError(f"{key}={value!r}: must be {'>' if key in _STRICTLY_POSITIVE else '>='} {low}")
+    high = _AT_MOST.get(key)
+    if high is not None and value > high:
+        raise ValueError(f"{key}={value!r}: must be <= {high}")
+
+
+def _validate(cfg: dict, schema: dict | None = None) -> None:
+    """Types, ranges and choices of every key, before anything heavy runs; each error names the key."""
+    if schema is not None:
+        for key, default in _leaves(schema):
+            if key.startswith("target.arch"):
+                continue
+            _check_type(key, _get(cfg, key), default)
+    for key, (kind, low) in _NULLABLE.items():
+        _check_range(key, _get(cfg, key), kind, low)
+    for key, low in _AT_LEAST.items():
+        _check_range(key, _get(cfg, key), None, low)
     choices = {("features", "mode"): ("online", "offline"), ("train", "schedule"): ("cosine", "constant"),
                ("target", "dtype"): ("float32", "bfloat16"), ("export", "dtype"): ("float32", "bfloat16"),
                ("train", "compute_dtype"): ("float32", "bfloat16"), ("data", "labels"): ("text", "target")}
     for (a, b), allowed in choices.items():
         if cfg[a][b] not in allowed:
             raise ValueError(f"{a}.{b}={cfg[a][b]!r}: expected one of {allowed}")
-    if int(cfg["block_size"]) < 2:
-        raise ValueError(f"block_size={cfg['block_size']}: need at least 2 (slot 0 holds the given token)")
+    if cfg["block_size"] > cfg["train"]["max_len"]:
+        raise ValueError(f"block_size={cfg['block_size']} exceeds train.max_len={cfg['train']['max_len']}: "
+                         "a block must fit in a training row")
+    source = str(cfg["data"]["source"])
+    if source not in DATA_SOURCES and "://" not in source and not Path(source).exists():
+        raise ValueError(f"data.source={source!r}: no such file, and not one of {DATA_SOURCES}"
+                         f"{_suggest(source, DATA_SOURCES) if difflib.get_close_matches(source, DATA_SOURCES) else ''}")
+    d = cfg["drafter"]
+    if d["target_layer_ids"] is not None and len(d["target_layer_ids"]) != d["n_features"]:
+        raise ValueError(f"drafter.target_layer_ids={list(d['target_layer_ids'])} has {len(d['target_layer_ids'])} "
+                         f"layers but drafter.n_features={d['n_features']}: set them to agree")
     if cfg["target"]["path"] is None and cfg["target"]["preset"] is None:
         raise ValueError("set target.path (real weights) or target.preset (random weights)")
-    if cfg["checkpoint"]["max_to_keep"] is not None and cfg["checkpoint"]["max_to_keep"] < 2:
-        raise ValueError("checkpoint.max_to_keep must be >= 2: a damaged latest checkpoint needs a predecessor")
 
 
 def cli_overrides(argv: list[str]) -> tuple[str, list[str]]:
@@ -144,7 +224,9 @@ def cli_overrides(argv: list[str]) -> tuple[str, list[str]]:
     name, out, i = "smollm2-135m", [], 0
     while i < len(argv):
         a = argv[i]
-        if a in ("--config", "-c", "--block") and i + 1 < len(argv):
+        if a in ("--config", "-c", "--block"):
+            if i + 1 >= len(argv) or argv[i + 1].startswith("-"):
+                raise ValueError(f"{a} needs a value (e.g. {a} {'64' if a == '--block' else 'smollm2-135m'})")
             if a == "--block":
                 out.append(f"block_size={argv[i + 1]}")
             else:

@@ -30,6 +30,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from dflash_model import sharding as shd
 from dflash_model.drafter import build_drafter, check_pairing, drafter_config_for, drafter_preset, scale_output_norm
+from dflash_model.files import RunLock, atomic_write_text
 from dflash_model.target import config_of, final_norm, forward
 from train.config import Config
 from train.data import build_train_dataset
@@ -286,6 +287,10 @@ class Trainer:
         self.target, self.tokenizer_path = (target, None) if target is not None else load_target_model(cfg, self.mesh)
         self.target_cfg = config_of(self.target)
         self.drafter_cfg = drafter_config(cfg, self.target_cfg)
+        positions = self.target_cfg.max_position_embeddings
+        for key, value in (("block_size", int(cfg.block_size)), ("train.max_len", int(cfg.train.max_len))):
+            if value > positions:
+                raise ValueError(f"{key}={value} exceeds the target's max_position_embeddings={positions}")
         self.block_size = int(cfg.block_size)
         self.gamma = float(cfg.gamma) if cfg.gamma is not None else default_gamma(self.block_size)
         self.loss_positions = None if cfg.loss_positions is None else int(cfg.loss_positions)
@@ -378,53 +383,123 @@ class Trainer:
         return nnx.merge(self.d_graph, jax.tree.map(jnp.copy, self.state["params"]))
 
     def restore(self) -> int | None:
-        """Load the newest checkpoint that reads back whole; warn and fall back past damaged ones."""
+        """Load the newest checkpoint that reads back whole; warn and fall back past damaged ones.
+
+        A checkpoint written under another drafter architecture or objective is refused by name before anything is
+        read (it is not damaged: the config changed, and falling back past it would start over on top of the run).
+        A damaged checkpoint is moved to <checkpoints>/damaged/ so that its step can be saved again.
+        """
+        self._check_newest_meta()
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, self.state)
+        damaged = []
+        try:
+            for step in sorted(self.ckpt.all_steps(), reverse=True):
+                try:
+                    got = self.ckpt.restore(step, args=ocp.args.Composite(
+                        state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore(),
+                        meta=ocp.args.JsonRestore()))
+                    if int(got.state["step"]) != step:
+                        raise ValueError(f"holds step {int(got.state['step'])}")
+                except Exception as e:  # noqa: BLE001 - any unreadable checkpoint means: try the previous one
+                    msg = f"checkpoint step {step} in {self.ckpt_dir} is unreadable ({type(e).__name__}: {e}); " \
+                          "falling back to the previous checkpoint"
+                    warnings.warn(msg, stacklevel=2)
+                    log.warning(msg)
+                    damaged.append(step)
+                    continue
+                self._check_meta(got.meta, step)
+                self.state = self._place(got.state)
+                self.iterator.set_state(got.data)
+                log.info("resumed from step %d (%s)", step, self.ckpt_dir)
+                return step
+            return None
+        finally:
+            self._set_aside(damaged)
+
+    def _set_aside(self, steps) -> None:
+        """Move damaged checkpoints out of the manager's directory (kept for a post-mortem, never deleted)."""
+        if not steps or jax.process_index() != 0:
+            return
+        aside = self.ckpt_dir / "damaged"
+        aside.mkdir(exist_ok=True)
+        for step in steps:
+            src = self.ckpt_dir / str(step)
+            if src.exists():
+                dst = aside / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"
+                src.rename(dst)
+                log.warning("moved the unreadable checkpoint step %d to %s", step, dst)
+        self.ckpt.reload()
+
+    def _meta(self) -> dict:
+        """What a checkpoint must agree on to be resumed: the objective and the drafter architecture."""
+        arch = self.drafter_cfg.to_zlab_config()
+        return {"block_size": self.block_size, "gamma": self.gamma, "total_steps": self.total_steps,
+                "drafter": {k: v for k, v in arch.items() if k not in ("block_size", "torch_dtype", "dtype")}}
+
+    def _check_newest_meta(self) -> None:
         for step in sorted(self.ckpt.all_steps(), reverse=True):
             try:
-                got = self.ckpt.restore(step, args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore(),
-                    meta=ocp.args.JsonRestore()))
-                if int(got.state["step"]) != step:
-                    raise ValueError(f"holds step {int(got.state['step'])}")
-            except Exception as e:  # noqa: BLE001 - any unreadable checkpoint means: try the previous one
-                msg = f"checkpoint step {step} in {self.ckpt_dir} is unreadable ({type(e).__name__}: {e}); " \
-                      "falling back to the previous checkpoint"
-                warnings.warn(msg, stacklevel=2)
-                log.warning(msg)
+                meta = self.ckpt.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+            except Exception:  # noqa: BLE001 - a damaged checkpoint is the restore loop's business
                 continue
-            self._check_meta(got.meta, step)
-            self.state = self._place(got.state)
-            self.iterator.set_state(got.data)
-            log.info("resumed from step %d (%s)", step, self.ckpt_dir)
-            return step
-        return None
+            self._check_meta(meta, step)
+            return
 
     def _check_meta(self, meta: dict, step: int) -> None:
-        """A checkpoint resumes only the objective it was trained with: the drafter shapes would load at another
-        K (the block size is not a parameter shape), so a changed block_size or gamma is refused by name."""
-        mine = {"block_size": self.block_size, "gamma": self.gamma}
-        diff = {k: (meta.get(k), v) for k, v in mine.items() if k in meta and not math.isclose(float(meta[k]), v)}
+        """A checkpoint resumes only the objective and drafter it was trained with: the drafter shapes would load
+        at another K (the block size is not a parameter shape), so a changed block_size or gamma is refused by
+        name, and so is a changed drafter (its parameter shapes would not load). A changed train.steps resumes,
+        saying what it does to the learning-rate schedule."""
+        mine = self._meta()
+        diff = {k: (meta.get(k), mine[k]) for k in ("block_size", "gamma")
+                if k in meta and not math.isclose(float(meta[k]), mine[k])}
+        old_arch = meta.get("drafter")
+        if old_arch is not None:
+            old_arch = json.loads(json.dumps(old_arch))
+            new_arch = json.loads(json.dumps(mine["drafter"]))
+            diff.update({f"drafter {k}": (old_arch.get(k), new_arch.get(k))
+                         for k in sorted(set(old_arch) | set(new_arch)) if old_arch.get(k) != new_arch.get(k)})
         if diff:
-            said = ", ".join(f"{k}={old} in the checkpoint but {new} now" for k, (old, new) in diff.items())
-            raise ValueError(f"checkpoint step {step} in {self.ckpt_dir}: {said}; use a new run_dir (or "
-                             f"checkpoint.dir) for a different objective, or set them back to resume")
+            said = "; ".join(f"{k}={old} in the checkpoint but {new} now" for k, (old, new) in diff.items())
+            raise ValueError(f"checkpoint step {step} in {self.ckpt_dir}: {said}. Use a new run_dir (or "
+                             f"checkpoint.dir) for a different objective or drafter, or set them back to resume")
+        old_total = meta.get("total_steps")
+        if old_total is not None and int(old_total) != self.total_steps:
+            old_lr = float(make_optimizer(self.cfg.train, int(old_total))[1](step))
+            new_lr = float(self.schedule(step))
+            log.warning("train.steps is %d now, %d when step %d was saved: the learning-rate schedule is "
+                        "recomputed over %d steps, so the rate at step %d moves from %.3g to %.3g",
+                        self.total_steps, int(old_total), step, self.total_steps, step, old_lr, new_lr)
 
     def save(self, force: bool = False) -> None:
         step = self.step
         if step in self.ckpt.all_steps():
             return
-        meta = {"step": step, "block_size": self.block_size, "gamma": self.gamma, "time": time.time()}
+        meta = {"step": step, **self._meta(), "time": time.time()}
         self.ckpt.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(self.state), data=ocp.args.JsonSave(self.iterator.get_state()),
             meta=ocp.args.JsonSave(meta)), force=force)
 
     def _trim_metrics(self, step: int) -> None:
-        """Drop log lines of steps past the restored state (a killed run logged them; they will be redone)."""
+        """Drop log lines of steps past the restored state (a killed run logged them; they will be redone) and a
+        torn last line (a kill mid-write). The file is replaced whole (temporary file + rename), never cut in place."""
         if not self.metrics_path.exists() or jax.process_index() != 0:
             return
-        keep = [ln for ln in self.metrics_path.read_text().splitlines() if ln and json.loads(ln)["step"] <= step]
-        self.metrics_path.write_text("".join(ln + "\n" for ln in keep))
+        lines = self.metrics_path.read_text().splitlines()
+        keep = []
+        for i, ln in enumerate(lines):
+            try:
+                rec = json.loads(ln)
+            except json.JSONDecodeError:
+                if i == len(lines) - 1:
+                    log.warning("%s: dropped a torn last line (%d characters)", self.metrics_path, len(ln))
+                    continue
+                raise ValueError(f"{self.metrics_path}:{i + 1}: not a JSON record (only a torn last line is "
+                                 "expected after a crash)") from None
+            if rec["step"] <= step:
+                keep.append(ln)
+        if len(keep) != len(lines):
+            atomic_write_text(self.metrics_path, "".join(ln + "\n" for ln in keep))
 
     # -- the step ------------------------------------------------------------------------------------------
 
@@ -490,6 +565,7 @@ class Trainer:
         end = self.total_steps if max_steps is None else min(self.total_steps, self.step + max_steps)
         prog = self.program()
         nan_at = jnp.asarray(-1 if cfg.debug.nan_at_step is None else int(cfg.debug.nan_at_step), jnp.int32)
+        lock = RunLock(self.run_dir) if jax.process_index() == 0 else None
         old_handlers = self._install_signals()
         tb = self._tensorboard()
         every = int(cfg.checkpoint.every_steps)
@@ -536,6 +612,8 @@ class Trainer:
                     break
         finally:
             self.ckpt.wait_until_finished()
+            if lock is not None:
+                lock.release()
             for s, h in old_handlers.items():
                 signal.signal(s, h)
             if tb is not None:
