@@ -30,6 +30,8 @@ import sys
 import time
 from pathlib import Path
 
+from dflash_model.files import atomic_write_text
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
@@ -77,7 +79,7 @@ def train_all(scale: dict, out: Path, runs_dir: Path) -> dict:
             "tokens_per_s_median": sorted(m["tokens_per_s"] for m in metrics)[len(metrics) // 2],
             "anchors_per_s_median": sorted(m["anchors_per_s"] for m in metrics)[len(metrics) // 2],
         }
-        (out / "train.json").write_text(json.dumps(info, indent=1))
+        atomic_write_text(out / "train.json", json.dumps(info, indent=1))
     return info
 
 
@@ -107,16 +109,16 @@ def eval_all(scale: dict, out: Path, runs_dir: Path) -> None:
             stops = tuple(stop_token_ids(target.tokenizer))
             reports = run_comparison(target.model, drafts, encode(rows, target.tokenizer),
                                      max_new_tokens=scale["new_tokens"], stop_ids=stops, ids=[r["id"] for r in rows])
-            path.write_text(json.dumps({
+            atomic_write_text(path, json.dumps({
                 "dataset": ds, "prompts": len(rows), "max_new_tokens": scale["new_tokens"],
                 "wall_s": time.perf_counter() - t0, "device": str(jax.devices()[0]), "machine": platform.processor()
                 or platform.machine(), "reports": reports}, indent=1))
         plot_comparison(reports, out / f"acceptance-{ds}.png", title=f"SmolLM2-135M drafters on {ds}")
         tables.append(f"### {ds}\n\n{format_comparison(reports)}\n")
-    (out / "table.md").write_text("\n".join(tables))
+    atomic_write_text(out / "table.md", "\n".join(tables))
     print("\n".join(tables))
     summary = summarize(out)
-    (out / "summary.md").write_text(summary)
+    atomic_write_text(out / "summary.md", summary)
     print(summary)
 
 

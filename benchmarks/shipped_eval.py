@@ -15,6 +15,7 @@ import json
 import sys
 from pathlib import Path
 
+from dflash_model.files import atomic_write_text
 from infer import eval as infer_eval
 
 SETS = ("humaneval", "gsm8k", "mtbench")
@@ -52,8 +53,8 @@ def main(argv=None) -> dict:
     summary = {"command": " ".join(["benchmarks/shipped_eval.py", *(sys.argv[1:] if argv is None else argv)]),
                "drafter": args.drafter, "rows": rows, "table": table}
     out.mkdir(parents=True, exist_ok=True)
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    (out / "summary.md").write_text(table + "\n")
+    atomic_write_text(out / "summary.json", json.dumps(summary, indent=1))
+    atomic_write_text(out / "summary.md", table + "\n")
     return summary
 
 

@@ -38,6 +38,7 @@ import grain
 import numpy as np
 
 from data.conversations import load_conversations, tokenize_conversation
+from dflash_model.files import atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ class TokenizedRecords:
         directory.mkdir(parents=True, exist_ok=True)
         for name, arr in zip(self.FILES, self.arrays):
             np.save(directory / f"{name}.npy", arr)
-        (directory / "ids.json").write_text(json.dumps(self.ids))
+        atomic_write_text(directory / "ids.json", json.dumps(self.ids))
 
     @property
     def arrays(self):

@@ -19,6 +19,7 @@ same bytes as an uninterrupted one: the same prompts share a batch and a padded 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -27,6 +28,7 @@ from collections import Counter
 from pathlib import Path
 
 from data.conversations import load_conversations
+from dflash_model.files import atomic_write_json
 from dflash_model.tokenizer import chat_prompt_ids, stop_token_ids
 from infer.plain import PROMPT_BUCKETS, bucket_length, greedy_generate
 
@@ -92,15 +94,47 @@ def plan(conversations: list[dict], tok, max_prompt_tokens: int, *, thinking: bo
     return eligible, skipped
 
 
+def settings_path(out_path: str | Path) -> Path:
+    return Path(f"{out_path}.settings.json")
+
+
+def check_settings(out_path: str | Path, settings: dict) -> None:
+    """Refuse to resume `out_path` under other settings (its replies would be mixed with ones made otherwise);
+    record them beside it the first time (<out>.settings.json)."""
+    side = settings_path(out_path)
+    if side.is_file():
+        old = json.loads(side.read_text())
+        diff = {k: (old.get(k), v) for k, v in settings.items() if old.get(k) != v}
+        if diff:
+            said = "; ".join(f"{k}={a!r} there but {b!r} now" for k, (a, b) in diff.items())
+            raise ValueError(f"{out_path}: its replies were made with other settings ({said}, per {side}); "
+                             "resuming would mix them. Give another output, or set them back")
+        return
+    if Path(out_path).is_file() and Path(out_path).stat().st_size:
+        print(f"{out_path}: no {side.name} beside it (made before settings were recorded); assuming it was made "
+              "with these settings", file=sys.stderr)
+    atomic_write_json(side, settings)
+
+
 def regenerate(model, tok, conversations: list[dict], out_path: str | Path, *, batch_size: int = 8,
                max_new_tokens: int = 256, max_prompt_tokens: int = 512, thinking: bool = False,
-               progress: bool = True) -> dict:
+               progress: bool = True, target_name: str | None = None) -> dict:
     """Append the target's greedy first replies to `out_path` (resuming after the ids already there).
 
+    A resume must use the settings the file was started with (target, tokenizer, lengths, batch size: checked
+    against <out>.settings.json). `target_name` names the target there; None = a digest of its architecture.
     Returns counts: written, already_done, skipped (per reason), new_tokens, seconds (generation only).
     """
     from tqdm import tqdm
 
+    from data.pipeline import tokenizer_fingerprint
+    from dflash_model.target import config_of
+
+    if target_name is None:
+        target_name = "arch-" + hashlib.sha256(repr(config_of(model)).encode()).hexdigest()[:16]
+    check_settings(out_path, {"target": target_name, "tokenizer": tokenizer_fingerprint(tok),
+                              "max_new_tokens": max_new_tokens, "max_prompt_tokens": max_prompt_tokens,
+                              "batch_size": batch_size, "thinking": thinking})
     eligible, skipped = plan(conversations, tok, max_prompt_tokens, thinking=thinking)
     done = set(read_done(out_path))
     stops = tuple(stop_token_ids(tok))
@@ -169,7 +203,8 @@ def main(argv: list[str] | None = None) -> dict:
                                              require_assistant=False)
     model, tok = load(args.target)
     stats = regenerate(model, tok, conversations, args.output, batch_size=args.batch_size,
-                       max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens)
+                       max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
+                       target_name=args.target)
     stats["dropped_input"] = dict(dropped)
     print(json.dumps(stats), file=sys.stderr)
     return stats

@@ -19,6 +19,7 @@ from flax import nnx
 
 from dflash_model.config import ConfigError, TargetConfig
 from dflash_model.drafter import Drafter, DrafterConfig, abstract_drafter, check_pairing
+from dflash_model.files import atomic_write_json
 from dflash_model.sharding import param_shardings
 from dflash_model.weights import CheckpointError, SafetensorsSource, raise_problems, torch_layouts
 from dflash_model.weights import tensor_problems as shape_dtype_problems
@@ -144,7 +145,7 @@ def export_drafter(drafter: Drafter, cfg: DrafterConfig, out_dir: str | Path, dt
     }
     # format=pt: transformers' safetensors loader (z-lab's reference path) expects torch-format metadata.
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(out_cfg.to_zlab_config(), indent=2) + "\n")
+    atomic_write_json(out / "config.json", out_cfg.to_zlab_config())
     return out
 
 

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dflash_model.files import atomic_write_text
 from infer.loading import check_prompt_ids, load_draft_spec, load_target_spec
 from infer.plain import bucket_length
 from infer.spec import Engine
@@ -336,10 +337,10 @@ def main(argv=None) -> dict:
                "target": str(target.path), "dataset": args.dataset, "device": str(jax.devices()[0]),
                "dtype": target.config.dtype, "reports": reports}
         # No path of this machine in a result meant to be committed: the home directory reads as ~.
-        (out / "eval.json").write_text(json.dumps(rep, indent=1).replace(str(Path.home()), "~"))
+        atomic_write_text(out / "eval.json", json.dumps(rep, indent=1).replace(str(Path.home()), "~"))
         plot_comparison(reports, out / "acceptance.png", title=f"{args.dataset}: per-position acceptance")
         table = format_comparison(reports)
-        (out / "table.md").write_text(table + "\n")
+        atomic_write_text(out / "table.md", table + "\n")
         print(table)
         print(f"wrote {out / 'eval.json'}, {out / 'table.md'} and {out / 'acceptance.png'}")
         return rep
@@ -347,7 +348,7 @@ def main(argv=None) -> dict:
                    ids=[r["id"] for r in rows], progress=not args.no_progress)
     rep.update(target=str(target.path), dataset=args.dataset, device=str(jax.devices()[0]),
                dtype=target.config.dtype)
-    (out / "eval.json").write_text(json.dumps(rep, indent=1))
+    atomic_write_text(out / "eval.json", json.dumps(rep, indent=1))
     plot_acceptance(rep, out / "acceptance.png")
     print(format_table(rep))
     print(f"wrote {out / 'eval.json'} and {out / 'acceptance.png'}")

@@ -112,6 +112,20 @@ def test_resume_after_crash_matches_uninterrupted_run(tmp_path, model, smol_tok,
     assert crashed.read_bytes() == reference
 
 
+def test_resume_under_other_settings_is_refused(tmp_path, model, smol_tok):
+    """A file started with one --max-new-tokens (or target) is not topped up with replies made otherwise."""
+    out = tmp_path / "out.jsonl"
+    out.write_text("")  # an empty file is a fresh start: nothing to mix with
+    run(model, smol_tok, out)
+    assert json.loads((tmp_path / "out.jsonl.settings.json").read_text())["max_new_tokens"] == NEW
+    with pytest.raises(ValueError, match=rf"out.jsonl: .*max_new_tokens={NEW} there but {NEW + 1} now"):
+        regenerate(model, smol_tok, conversations(), out, batch_size=2, max_new_tokens=NEW + 1,
+                   max_prompt_tokens=48, progress=False)
+    with pytest.raises(ValueError, match=r"target='arch-\w+' there but 'other' now"):
+        run(model, smol_tok, out, target_name="other")
+    assert run(model, smol_tok, out)["written"] == 0
+
+
 def test_read_done_drops_partial_line_and_rejects_corruption(tmp_path):
     out = tmp_path / "o.jsonl"
     out.write_text('{"id": "x", "messages": []}\n{"id": "y", "mess')

@@ -306,3 +306,26 @@ def test_drafter_init_starts_from_an_exported_drafter(run30, tmp_path):
     with pytest.raises(ValueError, match=r"drafter.init=.*num_hidden_layers"):
         Trainer(load_config("tiny", [f"run_dir={tmp_path / 'bad'}", f"drafter.init={export}",
                                      "drafter.num_layers=1", "drafter.target_layer_ids=[0, 2]"]), restore=False)
+
+
+def test_offline_features_are_keyed_by_the_token_ids(run30, tmp_path):
+    """The feature cache is rebuilt when a record's tokens change (an edited data file under the same name) and
+    reused when they do not."""
+    from train.features import open_or_build
+
+    tr = run30[1]
+    rng = np.random.default_rng(0)
+    records = [{"input_ids": rng.integers(0, 500, 64)} for _ in range(8)]
+    root = tmp_path / "feats"
+    tr.cfg["features"] = {**tr.cfg["features"], "cache_dir": str(root)}
+    try:
+        first, _ = open_or_build(tr, records)
+        stamp = (root / "meta.json").stat().st_mtime_ns
+        open_or_build(tr, records)
+        assert (root / "meta.json").stat().st_mtime_ns == stamp
+        records[3] = {"input_ids": np.where(np.arange(64) == 5, 7, records[3]["input_ids"])}
+        edited, _ = open_or_build(tr, records)
+        assert (root / "meta.json").stat().st_mtime_ns != stamp
+    finally:
+        tr.cfg["features"] = {**tr.cfg["features"], "cache_dir": None}
+    assert not np.allclose(first[3], edited[3]) and np.allclose(first[2], edited[2])

@@ -54,3 +54,23 @@ def test_run_ends_with_an_eval_of_the_exported_drafter(tmp_path):
     assert summary["eval"]["dflash"]["tau"] == rep["reports"]["dflash"]["tau"]
     again = main(args)  # nothing left to train; the eval of step 6 is reused, not recomputed
     assert "eval" not in again and again["step"] == 6
+
+
+def test_a_cached_eval_is_reused_only_for_the_same_settings(tmp_path):
+    """The end-of-run eval on disk is reused for the same step *and* the same prompts, lengths and K; a change
+    of any of them (or a torn file) evaluates again."""
+    import json
+
+    from train.config import load_config
+    from train.workflow import _same_eval, eval_settings
+
+    cfg = load_config("tiny", ["eval.enabled=true"])
+    prior = tmp_path / "eval.json"
+    prior.write_text(json.dumps({"trained_steps": 30, "settings": eval_settings(cfg)}))
+    assert _same_eval(prior, cfg, 30)
+    assert not _same_eval(prior, cfg, 31)
+    for change in ("eval.max_new_tokens=64", "eval.num_prompts=3", "eval.block=4", "eval.prompts=gsm8k",
+                   "block_size=4"):
+        assert not _same_eval(prior, load_config("tiny", ["eval.enabled=true", change]), 30), change
+    prior.write_text('{"trained_steps": 30, "sett')
+    assert not _same_eval(prior, cfg, 30)

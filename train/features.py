@@ -13,6 +13,7 @@ a barrier after meta.json is written.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import shutil
@@ -25,18 +26,30 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from dflash_model import sharding as shd
+from dflash_model.files import atomic_write_text
 from dflash_model.target import forward
 from train.objective import target_labels
 
 log = logging.getLogger("dflash.train")
 
 
-def _meta(trainer, num_records: int) -> dict:
+def records_digest(records) -> str:
+    """sha256 of every record's token ids, in order: the features depend on exactly these, not on a file's name."""
+    h = hashlib.sha256()
+    for i in range(len(records)):
+        ids = np.ascontiguousarray(np.asarray(records[i]["input_ids"], np.int32))
+        h.update(np.int64(ids.size).tobytes())
+        h.update(ids.tobytes())
+    return h.hexdigest()
+
+
+def _meta(trainer, records) -> dict:
     cfg = trainer.cfg
-    return {
+    num_records = len(records)
+    return {"tokens_sha256": records_digest(records),
         "target": str(cfg.target.path or cfg.target.preset), "target_arch": dict(cfg.target.arch),
         "dtype": trainer.target_cfg.dtype, "layer_ids": list(trainer.drafter_cfg.target_layer_ids),
-        "max_len": int(cfg.train.max_len), "num_records": num_records, "data": str(cfg.data.source),
+        "max_len": int(cfg.train.max_len), "num_records": num_records,
         "seed": int(cfg.seed), "hidden_size": trainer.target_cfg.hidden_size,
         "labels": str(cfg.data.labels),
     }
@@ -49,7 +62,7 @@ def open_or_build(trainer, records, chunk: int = 8):
     (train.objective.target_labels). Every process must call this (the build is a collective); process 0 writes."""
     cfg = trainer.cfg
     root = Path(cfg.features.cache_dir) if cfg.features.cache_dir else trainer.run_dir / "features"
-    want = _meta(trainer, len(records))
+    want = _meta(trainer, records)
     meta_path, data_path = root / "meta.json", root / "features.npy"
     # Process 0's view decides: a peer that looked after process 0 finished would otherwise skip the build.
     stale = shd.process0_decides(not (meta_path.is_file() and json.loads(meta_path.read_text()) == want))
@@ -108,7 +121,7 @@ def _build(trainer, records, root: Path, meta: dict, chunk: int, *, write: bool)
         if labels_out is not None:
             labels_out.flush()
             del labels_out
-        (root / "meta.json").write_text(json.dumps(meta, indent=1))
+        atomic_write_text(root / "meta.json", json.dumps(meta, indent=1))
 
 
 class _Reader:

@@ -11,6 +11,8 @@ import logging
 import sys
 from pathlib import Path
 
+from dflash_model.files import atomic_write_text
+
 # Run as a script from the repo root: make `train`, `dflash_model`, `data` importable without installing.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -81,7 +83,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     trainer = Trainer(cfg, target=target)
     if jax.process_index() == 0:  # like metrics.jsonl and the export: one writer in a multi-process run
-        Path(cfg.run_dir, "config.yml").write_text(cfg.dump())
+        atomic_write_text(Path(cfg.run_dir, "config.yml"), cfg.dump())
     left = trainer.total_steps - trainer.step
     what = cfg.target.path or f"random {cfg.target.preset}" + (" (arch overrides)" if cfg.target.arch else "")
     log.info("will train a %d-layer K=%d drafter (gamma %.2f) on %s for %d more steps (%s), %d anchors/seq, "

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from data.assets import cache_root
+from dflash_model.files import atomic_write_text
 
 log = logging.getLogger("dflash.train")
 
@@ -55,7 +56,8 @@ def prepare_regenerated(cfg, model, tok, target_name: str) -> tuple[Path, list[d
     out.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     stats = regenerate(model, tok, train_convs, out, batch_size=int(r.batch_size),
-                       max_new_tokens=int(r.max_new_tokens), max_prompt_tokens=int(r.max_prompt_tokens))
+                       max_new_tokens=int(r.max_new_tokens), max_prompt_tokens=int(r.max_prompt_tokens),
+                       target_name=target_name)
     if stats["written"]:
         log.info("regenerated %d replies (%d tokens) in %.1f min -> %s; %d were already there, skipped %s",
                  stats["written"], stats["new_tokens"], (time.perf_counter() - t0) / 60, out,
@@ -144,7 +146,7 @@ def end_of_run_eval(cfg, trainer, summary: dict, tokenizer, heldout: list[dict] 
 
     prior = Path(cfg.run_dir, "eval", "eval.json")
     # Process 0's file system decides, so every process takes the same path through the collectives.
-    if shd.process0_decides(prior.exists() and json.loads(prior.read_text()).get("trained_steps") == trainer.step):
+    if shd.process0_decides(_same_eval(prior, cfg, trainer.step)):
         if jax.process_index() == 0:
             log.info("eval of step %d already in %s:\n%s", trainer.step, prior.parent,
                      Path(prior.parent, "table.md").read_text())
@@ -159,6 +161,23 @@ def end_of_run_eval(cfg, trainer, summary: dict, tokenizer, heldout: list[dict] 
         reports = final_eval(cfg, trainer, tokenizer, eval_rows(cfg, heldout), export, target=target)["reports"]
     shd.barrier("dflash end-of-run eval")
     return reports
+
+
+def eval_settings(cfg) -> dict:
+    """Everything an end-of-run eval's numbers depend on besides the drafter's step (a cached eval is reused only
+    when these match)."""
+    return {**json.loads(json.dumps(dict(cfg.eval))), "block_size": int(cfg.block_size),
+            "features_zero": bool(cfg.features.zero)}
+
+
+def _same_eval(prior: Path, cfg, step: int) -> bool:
+    if not prior.is_file():
+        return False
+    try:
+        old = json.loads(prior.read_text())
+    except json.JSONDecodeError:
+        return False  # written atomically since, but an old torn file is simply redone
+    return old.get("trained_steps") == step and old.get("settings") == eval_settings(cfg)
 
 
 def _process0_target(trainer):
@@ -220,7 +239,8 @@ def final_eval(cfg, trainer, tokenizer, rows: list[dict], export_dir: Path | Non
     out = Path(cfg.run_dir) / "eval"
     out.mkdir(parents=True, exist_ok=True)
     summary = {"prompts": str(e.prompts), "num_prompts": len(prompts), "wall_s": time.perf_counter() - t0,
-               "trained_steps": trainer.step, "drafter": str(export_dir or "in-memory"), "reports": reports}
+               "trained_steps": trainer.step, "settings": eval_settings(cfg), "drafter": str(export_dir or "in-memory"),
+               "reports": reports}
     plot_comparison(reports, out / "acceptance.png",
                     title=f"held-out acceptance after {trainer.step} steps" if e.prompts == "heldout" else "")
     d, n = reports["dflash"]["tau"], reports["ngram"]["tau"]
@@ -228,8 +248,8 @@ def final_eval(cfg, trainer, tokenizer, rows: list[dict], export_dir: Path | Non
                f"{'beats' if d > n else 'does not beat'} n-gram after {trainer.step} steps")
     summary["verdict"] = verdict
     table = format_comparison(reports) + "\n\n" + verdict
-    (out / "table.md").write_text(table + "\n\n" + format_table(reports["dflash"]) + "\n")
-    (out / "eval.json").write_text(json.dumps(summary, indent=1))
+    atomic_write_text(out / "table.md", table + "\n\n" + format_table(reports["dflash"]) + "\n")
+    atomic_write_text(out / "eval.json", json.dumps(summary, indent=1))
     print(table, flush=True)
     log.info("eval written to %s (eval.json, table.md, acceptance.png) in %.1f min", out, summary["wall_s"] / 60)
     return summary
