@@ -21,7 +21,7 @@ from dflash_model.config import ConfigError, TargetConfig
 from dflash_model.drafter import Drafter, DrafterConfig, abstract_drafter, check_pairing
 from dflash_model.files import atomic_write_json
 from dflash_model.sharding import param_shardings
-from dflash_model.weights import CheckpointError, SafetensorsSource, raise_problems, torch_layouts
+from dflash_model.weights import CheckpointError, SafetensorsSource, check_finite, raise_problems, torch_layouts
 from dflash_model.weights import tensor_problems as shape_dtype_problems
 
 _SAFETENSORS_DTYPE = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
@@ -120,6 +120,7 @@ def load_drafter(
     jdtype = jnp.bfloat16 if cfg.dtype == "bfloat16" else jnp.float32
     for name, spec in specs.items():
         value = spec.to_param(jnp.asarray(source.get(name))).astype(jdtype)
+        check_finite(value, f"{model_dir / 'model.safetensors'}: {name}")
         if shardings is not None:
             value = jax.device_put(value, shardings[spec.path])
         params[spec.path].set_value(value)

@@ -318,6 +318,14 @@ def check_tensors(source, cfg: TargetConfig, expected_dtype: str | None) -> None
     raise_problems("checkpoint does not match its config", tensor_problems(source, shapes, expected_dtype, tolerated))
 
 
+def check_finite(value, name: str) -> None:
+    """A NaN or inf weight makes every logit NaN, and argmax of NaN is token 0 for target and drafter alike: a
+    checkpoint with one is refused at load, naming the tensor."""
+    bad = int(jnp.size(value) - jnp.isfinite(value).sum())
+    if bad:
+        raise ValueError(f"{name}: {bad} non-finite values (NaN or inf) in the checkpoint")
+
+
 def load_into_module(source, cfg: TargetConfig, *, mesh=None) -> nnx.Module:
     """Build the module abstractly, then fill every parameter from `source` (already checked), placing each
     one on `mesh` by the sharding rules as it is read (a big model is never whole on one device)."""
@@ -330,6 +338,7 @@ def load_into_module(source, cfg: TargetConfig, *, mesh=None) -> nnx.Module:
         raise RuntimeError(f"Tunix parameter layout changed: {sorted(set(params) ^ {s.path for s in specs.values()})}")
     for name, spec in specs.items():
         value = spec.to_param(jnp.asarray(source.get(name))).astype(dtype)
+        check_finite(value, name)
         param = params[spec.path]
         if value.shape != param.get_value().shape:
             raise RuntimeError(f"{name}: converted shape {value.shape} != module shape {param.get_value().shape}")

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_model.files import atomic_write_text
-from infer.loading import check_prompt_ids, load_draft_spec, load_target_spec
+from infer.loading import at_least, check_prompt_ids, load_draft_spec, load_target_spec
 from infer.plain import bucket_length
 from infer.spec import Engine
 
@@ -66,7 +66,7 @@ def dataset_messages(name: str, limit: int | None = None) -> list[dict]:
                 if text is None:
                     raise SystemExit(f"{path}:{i + 1}: no prompt_ids, prompt, question, turns or messages")
                 rows.append({"id": rid, "text": text})
-    return rows[:limit] if limit else rows
+    return rows if limit is None else rows[:limit]
 
 
 def encode(rows: list[dict], tokenizer) -> list[list[int]]:
@@ -293,9 +293,9 @@ def parse_args(argv=None):
                     help="none | ngram | random | a drafter directory, optionally SPEC@K; repeat to compare several "
                          "in one interleaved run (one plain baseline)")
     ap.add_argument("--dataset", required=True, help="humaneval, gsm8k, mtbench or a .jsonl file")
-    ap.add_argument("--limit", type=int, default=None)
-    ap.add_argument("--max-new-tokens", type=int, required=True)
-    ap.add_argument("--block", type=int, default=None)
+    ap.add_argument("--limit", type=at_least(1), default=None, help="the first N prompts (default: all)")
+    ap.add_argument("--max-new-tokens", type=at_least(1), required=True)
+    ap.add_argument("--block", type=at_least(2), default=None, help="block size K (default: each drafter's own)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
     ap.add_argument("--seed", type=int, default=0, help="init seed of --draft random")
     ap.add_argument("--out", required=True)

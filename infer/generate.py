@@ -14,7 +14,7 @@ import argparse
 import json
 import sys
 
-from infer.loading import check_prompt_ids, load_draft_spec, load_target_spec
+from infer.loading import at_least, check_prompt_ids, load_draft_spec, load_target_spec, non_negative
 from infer.spec import Engine
 
 
@@ -27,9 +27,9 @@ def parse_args(argv=None):
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-ids", help="comma-separated prompt token ids (used as given)")
     ap.add_argument("--chat", action="store_true", help="wrap --prompt in the chat template (thinking off)")
-    ap.add_argument("--max-new-tokens", type=int, required=True)
-    ap.add_argument("--block", type=int, default=None, help="block size K (default: the drafter's; ngram 8)")
-    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--max-new-tokens", type=at_least(1), required=True)
+    ap.add_argument("--block", type=at_least(2), default=None, help="block size K (default: the drafter's; ngram 8)")
+    ap.add_argument("--temperature", type=non_negative, default=0.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="target compute dtype")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the text")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from pathlib import Path
 from typing import Any
@@ -9,6 +10,29 @@ from typing import Any
 from infer import proposers
 
 NGRAM_BLOCK = 8  # default K for prompt lookup: cheap drafts, and verify costs about the same up to here
+
+
+def at_least(low: int):
+    """argparse type: an int >= low (a 0 or negative count is refused, not read as 'the default' or 'all')."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} is less than {low}")
+        return value
+
+    parse.__name__ = f"int >= {low}"
+    return parse
+
+
+def non_negative(text: str) -> float:
+    value = float(text)
+    if not value >= 0.0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"{text} is negative (or not a number)")
+    return value
 
 
 @dataclasses.dataclass

@@ -298,3 +298,17 @@ def test_tensor_specs_cover_the_module_exactly():
     assert len(specs) == 3 + 11 * CFG.num_hidden_layers == 58
     module_paths = {path for path, p in nnx.iter_graph(build_drafter(CFG)) if isinstance(p, nnx.Param)}
     assert {s.path for s in specs.values()} == module_paths
+
+
+def test_non_finite_weights_are_refused_at_load(exported, tmp_path):
+    """A NaN weight would make every logit NaN and argmax emit token 0 for target and drafter alike: refused at
+    load, naming the file and tensor."""
+
+    def poison(t):
+        w = t["fc.weight"].copy()
+        w[0, 0] = np.nan
+        t["fc.weight"] = w
+
+    bad = _rewrite(exported[1], tmp_path / "nan", tensors=poison)
+    with pytest.raises(ValueError, match=r"nan/model.safetensors: fc.weight: 1 non-finite values"):
+        load_drafter(bad, TARGET)

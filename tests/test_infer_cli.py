@@ -109,3 +109,24 @@ def test_out_of_vocabulary_prompt_ids_are_refused(bad, tmp_path):
     with pytest.raises(SystemExit, match=f"prompt x: token id {bad}"):
         ev.main(target + ["--draft", "ngram", "--dataset", str(path), "--max-new-tokens", "4", "--out",
                           str(tmp_path / "o")])
+
+
+@pytest.mark.parametrize("flag, value, cli", [
+    ("--block", "0", "generate"), ("--block", "1", "eval"), ("--limit", "0", "eval"), ("--limit", "-1", "eval"),
+    ("--max-new-tokens", "0", "generate"), ("--temperature", "-0.5", "generate"),
+])
+def test_out_of_range_arguments_are_refused(flag, value, cli, tmp_path, capsys):
+    """A zero or negative count once meant 'the default' (--block 0), 'everything' (--limit 0) or dropped a
+    prompt (--limit -1); argparse now refuses it by name before anything loads."""
+    args = ["--target", str(FIXTURES / "tiny_qwen3"), "--draft", "ngram", flag, value]
+    if flag != "--max-new-tokens":
+        args += ["--max-new-tokens", "4"]
+    if cli == "generate":
+        args += ["--prompt-ids", "1,2,3"]
+        main = generate.main
+    else:
+        args += ["--dataset", "gsm8k", "--out", str(tmp_path / "o")]
+        main = ev.main
+    with pytest.raises(SystemExit) as exc:
+        main(args)
+    assert exc.value.code == 2 and f"argument {flag}" in capsys.readouterr().err

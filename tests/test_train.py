@@ -329,3 +329,17 @@ def test_offline_features_are_keyed_by_the_token_ids(run30, tmp_path):
     finally:
         tr.cfg["features"] = {**tr.cfg["features"], "cache_dir": None}
     assert not np.allclose(first[3], edited[3]) and np.allclose(first[2], edited[2])
+
+
+def test_token_ids_beyond_the_target_vocabulary_are_refused_before_training():
+    """A tokenizer larger than the target's vocabulary once showed up as 'loss is nan at step 1'."""
+    from data.pipeline import TokenizedRecords
+    from train.trainer import check_token_ids
+
+    cfg = load_config("tiny")
+    ok = TokenizedRecords.from_examples([{"input_ids": [1, 2, 511], "loss_mask": [0, 1, 1]}])
+    check_token_ids(ok, 512, cfg)
+    bad = TokenizedRecords.from_examples([{"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]},
+                                          {"input_ids": [4, 600, 5], "loss_mask": [0, 1, 1]}])
+    with pytest.raises(ValueError, match=r"token id 600 .* outside the target's vocabulary 0..511"):
+        check_token_ids(bad, 512, cfg)

@@ -156,3 +156,15 @@ def test_gguf_rope_unpermute_inverts_llama_cpp_order():
     interleaved[:, 0::2] = per_head[:, : head_dim // 2]
     interleaved[:, 1::2] = per_head[:, head_dim // 2 :]
     np.testing.assert_array_equal(undo_gguf_rope_permute(interleaved.reshape(hf.shape), heads), hf)
+
+
+def test_non_finite_target_weights_are_refused(qwen_dir):
+    def poison(t):
+        name = next(k for k in t if k.endswith("embed_tokens.weight"))
+        w = t[name].copy()
+        w[3, :2] = np.inf
+        t[name] = w
+
+    _rewrite(qwen_dir, poison)
+    with pytest.raises(ValueError, match=r"embed_tokens.weight: 2 non-finite values"):
+        load_hf_target(qwen_dir)

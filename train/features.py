@@ -36,6 +36,11 @@ log = logging.getLogger("dflash.train")
 def records_digest(records) -> str:
     """sha256 of every record's token ids, in order: the features depend on exactly these, not on a file's name."""
     h = hashlib.sha256()
+    arrays = getattr(records, "arrays", None)  # data.pipeline.TokenizedRecords: flat ids and offsets
+    if arrays is not None:
+        h.update(np.ascontiguousarray(arrays[0], np.int32).tobytes())
+        h.update(np.ascontiguousarray(arrays[2], np.int64).tobytes())
+        return h.hexdigest()
     for i in range(len(records)):
         ids = np.ascontiguousarray(np.asarray(records[i]["input_ids"], np.int32))
         h.update(np.int64(ids.size).tobytes())

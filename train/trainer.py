@@ -114,6 +114,19 @@ def init_weights(drafter, dcfg, init_dir, target_cfg) -> None:
     nnx.update(drafter, nnx.state(loaded, nnx.Param))
 
 
+def check_token_ids(records, vocab_size: int, cfg) -> None:
+    """Refuse data whose token ids the target cannot embed (a tokenizer larger than the target's vocabulary):
+    an out-of-range id embeds as NaN, and the run would die at step 1 with a loss of nan, naming nothing."""
+    arrays = getattr(records, "arrays", None)
+    if arrays is None or not len(arrays[0]):
+        return  # synthetic records draw their ids below vocab_size
+    top = int(np.max(arrays[0]))
+    if top >= vocab_size or int(np.min(arrays[0])) < 0:
+        raise ValueError(f"data.source={cfg.data.source}: token id {top} from tokenizer "
+                         f"{cfg.data.tokenizer or cfg.target.path} is outside the target's vocabulary "
+                         f"0..{vocab_size - 1}; the tokenizer does not belong to this target")
+
+
 def make_optimizer(t, total_steps: int):
     """(AdamW + warmup-cosine + global-norm clipping, the schedule) from cfg.train's keys. Norm scales and other
     1-D params do not decay."""
@@ -327,6 +340,7 @@ class Trainer:
         self.dataset, self.batches_per_epoch, records = build_train_dataset(
             cfg, vocab_size=self.target_cfg.vocab_size, mask_token_id=self.drafter_cfg.mask_token_id,
             tokenizer=tokenizer)
+        check_token_ids(records, self.target_cfg.vocab_size, cfg)
         self.target_labels = cfg.data.labels == "target"
         self.features = self.labels = None
         if cfg.features.mode == "offline":
