@@ -94,7 +94,7 @@ def load_conversations(
         raw = enumerate(sharegpt(None if limit is None else skip + limit), 1)
         name = "sharegpt"
     elif isinstance(source, str | Path):
-        raw, name = iter_jsonl(source), Path(source).name
+        raw, name = iter_jsonl(Path(source).expanduser()), Path(source).name
     else:
         raw, name = enumerate(source, 1), "records"
     out, dropped = [], Counter()

@@ -164,7 +164,10 @@ def _source_file(source) -> Path | None:
 
         return assets.path("sharegpt")
     if isinstance(source, str | Path):
-        return Path(source)
+        path = Path(source).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"data source {str(source)!r}: no such file")
+        return path
     return None
 
 
@@ -213,9 +216,10 @@ def _save_atomically(records: TokenizedRecords, target: Path) -> None:
 def sample_anchors(loss_mask, num_anchors: int, block_size: int, rng: np.random.Generator) -> np.ndarray:
     """int32 [num_anchors]: sorted anchor positions a, drawn without replacement, -1 where fewer exist.
 
-    A valid anchor has loss_mask[a] and loss_mask[a+1] set (the token after the anchor is a label, so the
-    block trains at least one position; padding has no loss mask, hence a + 1 < length) and its block
-    a .. a+block_size-1 inside the [T] row (a + block_size <= T), so every block lies within the batch arrays.
+    The one anchor rule of the project (synthetic and conversation rows alike). The reference trainers
+    (SpecForge's DFlash) draw a with loss_mask[a] set and the block a .. a+block_size-1 inside the padded [T] row
+    (a + block_size <= T; labels past the sequence's end are padding, masked out). This rule adds loss_mask[a+1]:
+    the token after the anchor is a label, so no drawn block trains nothing.
     """
     m = np.asarray(loss_mask, bool)
     t = m.shape[0]

@@ -45,6 +45,7 @@ class DecodeState:
     rounds: jax.Array  # [] verify rounds run so far
     accept: jax.Array  # [B, R] tokens committed by each verify round, bonus included (0 = row was done)
     proposals: jax.Array  # [B, R, K-1] the drafts of each round
+    nonfinite: jax.Array  # [] bool: some target logit was NaN or inf (its argmax, token 0, would be reported)
 
 
 def accept_length(drafts_BK1, target_BK):
@@ -103,6 +104,7 @@ def _round(target, proposer, params, st: DecodeState, *, k, temperature, max_new
         history=history, n=n, done=done, cache=cache, draft=draft, rounds=st.rounds + 1,
         accept=st.accept.at[:, st.rounds].set(jnp.where(st.done, 0, a + 1)),
         proposals=st.proposals.at[jnp.arange(b), st.rounds].set(drafts),
+        nonfinite=st.nonfinite | ~jnp.all(jnp.isfinite(out.logits)),
     )
 
 
@@ -123,6 +125,7 @@ def _prefill_impl(target, proposer, params, ids_BP, lengths_B, key, stop_S, *, k
         stop_ids=stop_S,
         cache=out.cache.crop(lengths_B), draft=draft, key=key, rounds=jnp.int32(0),
         accept=jnp.zeros((b, rounds), jnp.int32), proposals=jnp.zeros((b, rounds, k - 1), jnp.int32),
+        nonfinite=~jnp.all(jnp.isfinite(out.logits)),
     )
 
 
@@ -186,8 +189,12 @@ class Engine:
         return jnp.asarray(ids), jnp.asarray(lengths), jax.random.key(seed)
 
     def results(self, state: DecodeState) -> list[Generation]:
-        history, plen, n, accept, proposals = jax.device_get(
-            (state.history, state.prompt_len, state.n, state.accept, state.proposals))
+        history, plen, n, accept, proposals, nonfinite = jax.device_get(
+            (state.history, state.prompt_len, state.n, state.accept, state.proposals, state.nonfinite))
+        if nonfinite:
+            # Target and drafter would both "agree" on argmax(NaN) = 0: a perfect tau for garbage.
+            raise FloatingPointError("the target produced NaN/inf logits while decoding (overflow in its dtype, or "
+                                     "damaged weights): the tokens would be argmax(NaN) = 0; nothing is reported")
         out = []
         for b in range(history.shape[0]):
             tokens = history[b, plen[b] : n[b]].tolist()

@@ -330,3 +330,22 @@ def test_jsonl_is_tokenized_once_then_cached(tmp_path, smol_tok, monkeypatch):
         build_dataset(path, smol_tok, 48, 2, seed=0, shard_index=0, shard_count=1)
     with pytest.raises(ValueError, match="more than max_len=16"):
         next(iter(build_dataset(cached, smol_tok, 16, 2, seed=0, shard_index=0, shard_count=1)))
+
+
+def test_synthetic_rows_draw_anchors_by_the_same_rule():
+    """The synthetic pipeline uses the one sampler: every anchor has a label after it and its block inside the
+    row (once a different rule let synthetic blocks run past the row's end)."""
+    from train.config import load_config
+    from train.data import build_train_dataset
+
+    cfg = load_config("tiny", ["block_size=16", "num_anchors=64"])
+    ds, _, _ = build_train_dataset(cfg, vocab_size=512, mask_token_id=511)
+    batch = next(iter(ds))
+    t = batch["input_ids"].shape[1]
+    drawn = 0
+    for mask, anchors in zip(batch["loss_mask"], batch["anchors"]):
+        cand = {a for a in range(t - 1) if mask[a] and mask[a + 1] and a + 16 <= t}
+        real = [int(a) for a in anchors if a >= 0]
+        assert real and set(real) <= cand and len(real) == min(64, len(cand))
+        drawn += len(real)
+    assert drawn > 0

@@ -217,3 +217,17 @@ def test_decode_compiles_once_per_bucket_and_never_touches_the_host():
     assert [len(g.tokens) for g in engine.results(state)] == [MAX_NEW, MAX_NEW]
     engine.generate([rng.integers(0, 512, 65).tolist(), [1]])  # bucket 128: one more compile of each step
     assert (TRACES["decode"] - before[0], TRACES["prefill"] - before[1]) == (1, 1)
+
+
+def test_non_finite_logits_are_an_error_not_token_zero():
+    """NaN logits make argmax 0 for target and drafter alike ('lossless', perfect tau): the engine refuses to
+    report them; the same target without the NaN decodes."""
+    from flax import nnx
+
+    target = tiny_target("qwen3", num_hidden_layers=2)
+    prompts = _prompts()
+    Engine(target, NGramProposer(), block_size=4, max_new_tokens=4).generate(prompts)
+    param = next(p for path, p in nnx.iter_graph(target) if isinstance(p, nnx.Param) and "embed" in str(path))
+    param.set_value(param.get_value().at[prompts[0][3]].set(jnp.nan))
+    with pytest.raises(FloatingPointError, match="NaN/inf logits"):
+        Engine(target, NGramProposer(), block_size=4, max_new_tokens=4).generate(prompts)

@@ -343,3 +343,8 @@ def test_token_ids_beyond_the_target_vocabulary_are_refused_before_training():
                                           {"input_ids": [4, 600, 5], "loss_mask": [0, 1, 1]}])
     with pytest.raises(ValueError, match=r"token id 600 .* outside the target's vocabulary 0..511"):
         check_token_ids(bad, 512, cfg)
+
+
+def test_rows_longer_than_the_target_positions_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="train.max_len=4096 exceeds the target's max_position_embeddings=2048"):
+        Trainer(load_config("tiny", [f"run_dir={tmp_path}", "train.max_len=4096"]), restore=False)

@@ -208,9 +208,12 @@ def _validate(cfg: dict, schema: dict | None = None) -> None:
         raise ValueError(f"block_size={cfg['block_size']} exceeds train.max_len={cfg['train']['max_len']}: "
                          "a block must fit in a training row")
     source = str(cfg["data"]["source"])
-    if source not in DATA_SOURCES and "://" not in source and not Path(source).exists():
+    if source not in DATA_SOURCES and not Path(source).expanduser().exists() and difflib.get_close_matches(
+            source, DATA_SOURCES, cutoff=0.6):
+        # A typo of a source name would otherwise be read as a file path. Other missing files are named by the
+        # loader when the data is read (a preset may name a file that a first step of its recipe writes).
         raise ValueError(f"data.source={source!r}: no such file, and not one of {DATA_SOURCES}"
-                         f"{_suggest(source, DATA_SOURCES) if difflib.get_close_matches(source, DATA_SOURCES) else ''}")
+                         f"{_suggest(source, DATA_SOURCES)}")
     d = cfg["drafter"]
     if d["target_layer_ids"] is not None and len(d["target_layer_ids"]) != d["n_features"]:
         raise ValueError(f"drafter.target_layer_ids={list(d['target_layer_ids'])} has {len(d['target_layer_ids'])} "

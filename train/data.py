@@ -10,16 +10,8 @@ from __future__ import annotations
 import grain
 import numpy as np
 
-
-def sample_anchors(loss_mask_T: np.ndarray, num_anchors: int, rng: np.random.Generator) -> np.ndarray:
-    """Up to `num_anchors` distinct sorted positions a with loss_mask[a] and loss_mask[a+1] (a block needs at
-    least one label), padded with -1."""
-    m = np.asarray(loss_mask_T, bool)
-    ok = np.flatnonzero(m[:-1] & m[1:])
-    chosen = np.sort(rng.choice(ok, size=min(num_anchors, ok.size), replace=False)) if ok.size else ok
-    out = np.full((num_anchors,), -1, np.int32)
-    out[: chosen.size] = chosen
-    return out
+from data import pipeline
+from data.pipeline import sample_anchors  # the one anchor rule, for synthetic and conversation rows alike
 
 
 def synthetic_record(index: int, *, seed: int, max_len: int, vocab_size: int, mask_token_id: int) -> dict:
@@ -45,9 +37,9 @@ def synthetic_record(index: int, *, seed: int, max_len: int, vocab_size: int, ma
     }
 
 
-def _with_anchors(num_anchors: int):
+def _with_anchors(num_anchors: int, block_size: int):
     def fn(record: dict, rng: np.random.Generator) -> dict:
-        return {**record, "anchors": sample_anchors(record["loss_mask"], num_anchors, rng)}
+        return {**record, "anchors": sample_anchors(record["loss_mask"], num_anchors, block_size, rng)}
 
     return fn
 
@@ -72,7 +64,7 @@ def build_train_dataset(cfg, *, vocab_size: int, mask_token_id: int, tokenizer=N
         base.seed(int(cfg.seed))
         .repeat(int(t.epochs))
         .shuffle()
-        .random_map(_with_anchors(int(cfg.num_anchors)))
+        .random_map(_with_anchors(int(cfg.num_anchors), int(cfg.block_size)))
     )
     ds = ds[jax.process_index():: jax.process_count()]
     ds = ds.batch(per_host_batch, drop_remainder=True)
@@ -83,8 +75,6 @@ def _conversation_batches(cfg, tokenizer, per_host_batch: int):
     """Chat-templated conversations with assistant-only loss masks from data.pipeline (its own shuffle, host
     sharding, per-epoch anchors and exact-resume iterator)."""
     import jax
-
-    from data import pipeline
 
     if tokenizer is None:
         raise ValueError("a conversation data source needs a tokenizer (data.tokenizer or a GGUF/HF target)")
