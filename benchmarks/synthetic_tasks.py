@@ -59,8 +59,15 @@ def task_records(task: str, n: int, vocab_size: int, mask_token_id: int, seed: i
     return TokenizedRecords.from_examples(examples, ids=[str(i) for i in range(n)])
 
 
-def run(task: str, steps: int, *, seed: int = 0, features: bool = True, overrides: tuple[str, ...] = (),
-        run_dir: Path | None = None) -> dict:
+def run(
+    task: str,
+    steps: int,
+    *,
+    seed: int = 0,
+    features: bool = True,
+    overrides: tuple[str, ...] = (),
+    run_dir: Path | None = None,
+) -> dict:
     """Train the tiny drafter on `task` for `steps` steps; returns the report (windows of 20 steps)."""
     import tiny_tau
     from learning_probe import accuracy_windows
@@ -68,12 +75,20 @@ def run(task: str, steps: int, *, seed: int = 0, features: bool = True, override
     from train.trainer import Trainer
 
     name = f"synthetic-{task}{'' if features else '-nofeat'}-{steps}" + "".join(
-        "-" + re.sub(r"[^A-Za-z0-9.=]+", "_", o) for o in overrides)
+        "-" + re.sub(r"[^A-Za-z0-9.=]+", "_", o) for o in overrides
+    )
     run_dir = Path(run_dir or REPO / "runs" / "probes" / name)
     over = (*overrides, *(() if features else ("features.zero=true",)))
     # tiny_tau sizes train.max_len as its longest prompt plus new_tokens: make that LENGTH.
-    s = tiny_tau.Settings(steps=steps, block_size=8, new_tokens=LENGTH - tiny_tau.Settings.prompt_len[1], lr=3e-3,
-                          schedule="constant", seed=seed, overrides=over)
+    s = tiny_tau.Settings(
+        steps=steps,
+        block_size=8,
+        new_tokens=LENGTH - tiny_tau.Settings.prompt_len[1],
+        lr=3e-3,
+        schedule="constant",
+        seed=seed,
+        overrides=over,
+    )
     cfg = tiny_tau.trainer_config(s, run_dir)
     assert int(cfg.train.max_len) == LENGTH, cfg.train.max_len
     target = tiny_tau.build_target(cfg, s.target_std)
@@ -83,24 +98,47 @@ def run(task: str, steps: int, *, seed: int = 0, features: bool = True, override
     tiny_tau.attach_records(trainer, records)
     trainer.train()
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
-    return {"name": name, "task": task, "features": features, "overrides": list(overrides), "steps": steps,
-            "seed": seed, "blocks_per_step": int(cfg.train.batch_size) * int(cfg.num_anchors),
-            "wall_s": time.time() - t0,
-            "windows": accuracy_windows(recs), "machine": platform.processor() or platform.machine(),
-            "command": shlex.join(["benchmarks/synthetic_tasks.py", task, "--steps", str(steps), "--seed", str(seed),
-                                   *(() if features else ("--no-features",)), *overrides])}
+    return {
+        "name": name,
+        "task": task,
+        "features": features,
+        "overrides": list(overrides),
+        "steps": steps,
+        "seed": seed,
+        "blocks_per_step": int(cfg.train.batch_size) * int(cfg.num_anchors),
+        "wall_s": time.time() - t0,
+        "windows": accuracy_windows(recs),
+        "machine": platform.processor() or platform.machine(),
+        "command": shlex.join(
+            [
+                "benchmarks/synthetic_tasks.py",
+                task,
+                "--steps",
+                str(steps),
+                "--seed",
+                str(seed),
+                *(() if features else ("--no-features",)),
+                *overrides,
+            ]
+        ),
+    }
 
 
 def table() -> str:
-    lines = ["| task | features | overrides | steps (blocks) | acc pos 1 / 2 / 3, first 20 steps "
-             "| acc pos 1 / 2 / 3, last 20 steps | loss, last 20 steps |", "|---|---|---|---:|---|---|---:|"]
+    lines = [
+        "| task | features | overrides | steps (blocks) | acc pos 1 / 2 / 3, first 20 steps "
+        "| acc pos 1 / 2 / 3, last 20 steps | loss, last 20 steps |",
+        "|---|---|---|---:|---|---|---:|",
+    ]
     reports = [json.loads(path.read_text()) for path in OUT.glob("synthetic-*.json")]
     for r in sorted(reports, key=lambda r: (r["task"], not r["features"], r["steps"], r.get("overrides", []))):
         first, last = r["windows"][0], r["windows"][-1]
         fmt = [" / ".join(f"{a:.3f}" for a in w["acc_1_2_3"]) for w in (first, last)]
         over = " ".join(r.get("overrides", [])) or "-"
-        lines.append(f"| {r['task']} | {'on' if r['features'] else 'zeroed'} | {over} | {r['steps']} "
-                     f"({r['steps'] * r['blocks_per_step']:,}) | {fmt[0]} | {fmt[1]} | {last['loss']:.2f} |")
+        lines.append(
+            f"| {r['task']} | {'on' if r['features'] else 'zeroed'} | {over} | {r['steps']} "
+            f"({r['steps'] * r['blocks_per_step']:,}) | {fmt[0]} | {fmt[1]} | {last['loss']:.2f} |"
+        )
     return "\n".join(lines)
 
 
@@ -120,8 +158,10 @@ def main() -> None:
         ap.error("give a TASK or --table")
     r = run(args.task, args.steps, seed=args.seed, features=not args.no_features, overrides=tuple(args.overrides))
     for w in r["windows"]:
-        print(f"steps {w['steps'][0]:>4}-{w['steps'][1]:<4} loss {w['loss']:.2f}  acc 1/2/3 "
-              + " / ".join(f"{a:.3f}" for a in w["acc_1_2_3"]))
+        print(
+            f"steps {w['steps'][0]:>4}-{w['steps'][1]:<4} loss {w['loss']:.2f}  acc 1/2/3 "
+            + " / ".join(f"{a:.3f}" for a in w["acc_1_2_3"])
+        )
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / f"{r['name']}.json").write_text(json.dumps(r, indent=1))
     print(f"wrote {OUT / (r['name'] + '.json')}")

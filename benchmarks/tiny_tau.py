@@ -99,8 +99,16 @@ def attach_records(trainer, records, num_epochs: int | None = None) -> None:
     cfg = trainer.cfg
     if trainer.step != 0:
         raise ValueError("attach_records needs a fresh trainer (restore=False): the restored iterator was another's")
-    ds = build_dataset(records, None, int(cfg.train.max_len), int(cfg.train.batch_size), int(cfg.seed),
-                       num_epochs=num_epochs, num_anchors=int(cfg.num_anchors), block_size=int(cfg.block_size))
+    ds = build_dataset(
+        records,
+        None,
+        int(cfg.train.max_len),
+        int(cfg.train.batch_size),
+        int(cfg.seed),
+        num_epochs=num_epochs,
+        num_anchors=int(cfg.num_anchors),
+        block_size=int(cfg.block_size),
+    )
     trainer.dataset = ds
     trainer.iterator = iter(ds)
     trainer.batches_per_epoch = len(records) // int(cfg.train.batch_size)
@@ -118,13 +126,27 @@ def trainer_config(s: Settings, run_dir: Path):
     # give that enough epochs. One checkpoint at the end; the export is float32 (no bf16 rounding in the eval).
     synthetic = max(512, s.batch_size)
     epochs = max(6, math.ceil(s.steps / (synthetic // s.batch_size)))
-    return load_config("tiny", [
-        f"run_dir={run_dir}", f"seed={s.seed}", f"block_size={s.block_size}", f"num_anchors={s.num_anchors}",
-        f"train.steps={s.steps}", f"train.batch_size={s.batch_size}", f"train.max_len={max_len}",
-        f"train.lr={s.lr}", f"train.schedule={s.schedule}", f"data.num_records={synthetic}", f"train.epochs={epochs}",
-        f"checkpoint.every_steps={s.steps}", "checkpoint.async=false", "export.dtype=float32",
-        "log.tensorboard=false", *s.overrides,
-    ])
+    return load_config(
+        "tiny",
+        [
+            f"run_dir={run_dir}",
+            f"seed={s.seed}",
+            f"block_size={s.block_size}",
+            f"num_anchors={s.num_anchors}",
+            f"train.steps={s.steps}",
+            f"train.batch_size={s.batch_size}",
+            f"train.max_len={max_len}",
+            f"train.lr={s.lr}",
+            f"train.schedule={s.schedule}",
+            f"data.num_records={synthetic}",
+            f"train.epochs={epochs}",
+            f"checkpoint.every_steps={s.steps}",
+            "checkpoint.async=false",
+            "export.dtype=float32",
+            "log.tensorboard=false",
+            *s.overrides,
+        ],
+    )
 
 
 def build_target(cfg, std: float):
@@ -144,8 +166,15 @@ def heldout_sim_tau(trainer, params, records, seed: int) -> float:
     from data.pipeline import build_dataset
 
     cfg = trainer.cfg
-    ds = build_dataset(records, None, int(cfg.train.max_len), len(records), seed, num_anchors=int(cfg.num_anchors),
-                       block_size=int(cfg.block_size))
+    ds = build_dataset(
+        records,
+        None,
+        int(cfg.train.max_len),
+        len(records),
+        seed,
+        num_anchors=int(cfg.num_anchors),
+        block_size=int(cfg.block_size),
+    )
     batch = {k: jnp.asarray(v) for k, v in next(iter(ds)).items() if k != "index"}
     fn = jax.jit(lambda p, t, b: trainer.loss_fn(p, t, b)[1]["sim_tau"])
     return float(fn(params, trainer.t_state, batch))
@@ -224,22 +253,46 @@ def run(s: Settings, run_dir: Path, *, progress: bool = False) -> dict:
     reports = run_comparison(target, drafts, held_prompts, max_new_tokens=s.new_tokens, progress=progress)
     eval_s = time.perf_counter() - t0
 
-    real = {name: {k: r[k] for k in ("tau", "rounds", "acceptance_unconditional", "lossless_mismatches",
-                                     "mismatch_examples", "speedup", "tau_histogram")}
-            for name, r in reports.items()}
+    real = {
+        name: {
+            k: r[k]
+            for k in (
+                "tau",
+                "rounds",
+                "acceptance_unconditional",
+                "lossless_mismatches",
+                "mismatch_examples",
+                "speedup",
+                "tau_histogram",
+            )
+        }
+        for name, r in reports.items()
+    }
     return {
         "settings": {**dataclasses.asdict(s), "overrides": list(s.overrides)},
         "target": {"config": "tiny", "init_std": s.target_std, **dict(cfg.target.arch)},
-        "drafter": {"num_layers": dcfg.num_hidden_layers, "target_layer_ids": list(dcfg.target_layer_ids),
-                    "mask_token_id": dcfg.mask_token_id, "block_size": dcfg.block_size},
-        "data": {"train_sequences": len(train_records), "heldout_prompts": len(held_prompts),
-                 "target_repeats_last_token": repeat_rate},
+        "drafter": {
+            "num_layers": dcfg.num_hidden_layers,
+            "target_layer_ids": list(dcfg.target_layer_ids),
+            "mask_token_id": dcfg.mask_token_id,
+            "block_size": dcfg.block_size,
+        },
+        "data": {
+            "train_sequences": len(train_records),
+            "heldout_prompts": len(held_prompts),
+            "target_repeats_last_token": repeat_rate,
+        },
         "steps": trainer.step,
         "sim_tau": sim,
         "real_tau": real,
-        "seconds": {"generate": gen_s, "train": train_s, "train_step": summary["step_s"],
-                    "train_compile_step": summary["compile_step_s"], "eval": eval_s,
-                    "total": time.perf_counter() - t_start},
+        "seconds": {
+            "generate": gen_s,
+            "train": train_s,
+            "train_step": summary["step_s"],
+            "train_compile_step": summary["compile_step_s"],
+            "eval": eval_s,
+            "total": time.perf_counter() - t_start,
+        },
         "device": str(jax.devices()[0]),
         "run_dir": str(run_dir),
     }
@@ -254,21 +307,30 @@ def format_table(rep: dict) -> str:
         "| drafter | sim_tau (train batch) | sim_tau (held-out) | real tau (held-out) | acc. pos 1 | lossless |",
         "|---|---:|---:|---:|---:|---|",
     ]
-    rows = [("untrained", sim["first_step"], sim["heldout_untrained"]),
-            ("trained", sim["last10_mean"], sim["heldout_trained"]), ("ngram", None, None)]
+    rows = [
+        ("untrained", sim["first_step"], sim["heldout_untrained"]),
+        ("trained", sim["last10_mean"], sim["heldout_trained"]),
+        ("ngram", None, None),
+    ]
     for name, train_sim, held_sim in rows:
         if name not in real:
             continue
         r = real[name]
         f = lambda x: "-" if x is None else f"{x:.3f}"
         n = rep["data"]["heldout_prompts"]
-        lines.append(f"| {name} | {f(train_sim)} | {f(held_sim)} | {r['tau']:.3f} | "
-                     f"{r['acceptance_unconditional'][0]:.3f} | {n - r['lossless_mismatches']}/{n} equal |")
+        lines.append(
+            f"| {name} | {f(train_sim)} | {f(held_sim)} | {r['tau']:.3f} | "
+            f"{r['acceptance_unconditional'][0]:.3f} | {n - r['lossless_mismatches']}/{n} equal |"
+        )
     sec = rep["seconds"]
-    lines.append(f"(train-batch sim_tau: step 1 for untrained, mean of the last 10 steps for trained; loss "
-                 f"{sim['loss_first_step']:.3f} -> {sim['loss_last10_mean']:.3f})")
-    lines.append(f"time: generate {sec['generate']:.1f}s, train {sec['train']:.1f}s "
-                 f"({sec['train_step'] or float('nan'):.3f}s/step), eval {sec['eval']:.1f}s, total {sec['total']:.1f}s")
+    lines.append(
+        f"(train-batch sim_tau: step 1 for untrained, mean of the last 10 steps for trained; loss "
+        f"{sim['loss_first_step']:.3f} -> {sim['loss_last10_mean']:.3f})"
+    )
+    lines.append(
+        f"time: generate {sec['generate']:.1f}s, train {sec['train']:.1f}s "
+        f"({sec['train_step'] or float('nan'):.3f}s/step), eval {sec['eval']:.1f}s, total {sec['total']:.1f}s"
+    )
     return "\n".join(lines)
 
 
@@ -286,16 +348,32 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--lr", type=float, default=d.lr)
     ap.add_argument("--schedule", choices=["cosine", "constant"], default=d.schedule)
     ap.add_argument("--no-ngram", action="store_true", help="skip the n-gram reference")
-    ap.add_argument("--data", choices=["target", "synthetic"], default=d.data,
-                    help="synthetic: a control run on the Trainer's synthetic data (not the target's text)")
+    ap.add_argument(
+        "--data",
+        choices=["target", "synthetic"],
+        default=d.data,
+        help="synthetic: a control run on the Trainer's synthetic data (not the target's text)",
+    )
     ap.add_argument("--seed", type=int, default=d.seed)
     ap.add_argument("--out", default="runs/tiny_tau.json")
     ap.add_argument("overrides", nargs="*", help="trainer config overrides, key=value")
     a = ap.parse_args(argv)
-    s = Settings(steps=a.steps, block_size=a.block, target_std=a.target_std, train_prompts=a.train_prompts,
-                 eval_prompts=a.eval_prompts, new_tokens=a.new_tokens, batch_size=a.batch_size,
-                 num_anchors=a.anchors, lr=a.lr, schedule=a.schedule, seed=a.seed, ngram=not a.no_ngram, data=a.data,
-                 overrides=tuple(a.overrides))
+    s = Settings(
+        steps=a.steps,
+        block_size=a.block,
+        target_std=a.target_std,
+        train_prompts=a.train_prompts,
+        eval_prompts=a.eval_prompts,
+        new_tokens=a.new_tokens,
+        batch_size=a.batch_size,
+        num_anchors=a.anchors,
+        lr=a.lr,
+        schedule=a.schedule,
+        seed=a.seed,
+        ngram=not a.no_ngram,
+        data=a.data,
+        overrides=tuple(a.overrides),
+    )
     out = Path(a.out)
     rep = run(s, out.with_suffix(""), progress=True)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -88,29 +88,40 @@ def phases(trainer, repeats: int = 3) -> dict:
     slots = prog.block_size if prog.loss_positions is None else min(prog.loss_positions + 1, prog.block_size)
 
     def hidden_of(params):
-        h = train_logits(nnx.merge(prog.d_graph, params), target, features, batch["input_ids"], batch["anchors"],
-                         prog.block_size, hidden_only=True, compute_dtype=dt)
+        h = train_logits(
+            nnx.merge(prog.d_graph, params),
+            target,
+            features,
+            batch["input_ids"],
+            batch["anchors"],
+            prog.block_size,
+            hidden_only=True,
+            compute_dtype=dt,
+        )
         return h[:, :, :slots]
 
     params = trainer.state["params"]
     h = jax.jit(hidden_of)(params)
     probe = jnp.ones_like(h)
-    out["drafter_s"] = _time(jax.jit(jax.grad(lambda p: jnp.sum(hidden_of(p).astype(jnp.float32) * probe))),
-                             params, repeats=repeats)
+    out["drafter_s"] = _time(
+        jax.jit(jax.grad(lambda p: jnp.sum(hidden_of(p).astype(jnp.float32) * probe))), params, repeats=repeats
+    )
     hm = h.reshape(-1, h.shape[-1])
     labels = jnp.zeros((hm.shape[0],), jnp.int32)
     vocab = trainer.vocab_ids
 
     @jax.jit
     def ce(hm):
-        return jax.grad(lambda x: jnp.sum(chunked_cross_entropy(target, x, labels, prog.ce_chunk,
-                                                                vocab_ids_N=vocab)[0]))(hm)
+        return jax.grad(
+            lambda x: jnp.sum(chunked_cross_entropy(target, x, labels, prog.ce_chunk, vocab_ids_N=vocab)[0])
+        )(hm)
 
     out["ce_s"] = _time(ce, hm, repeats=repeats)
     grads = jax.tree.map(jnp.zeros_like, params)
     tx = trainer.tx
-    out["optimizer_s"] = _time(jax.jit(lambda g, o, p: tx.update(g, o, p)), grads, trainer.state["opt"], params,
-                               repeats=repeats)
+    out["optimizer_s"] = _time(
+        jax.jit(lambda g, o, p: tx.update(g, o, p)), grads, trainer.state["opt"], params, repeats=repeats
+    )
     return out
 
 
@@ -121,8 +132,16 @@ def measure(cfg_name: str, overrides: list[str], steps: int, target=None) -> dic
     from train.trainer import Trainer
 
     with tempfile.TemporaryDirectory() as tmp:
-        over = [*overrides, f"run_dir={tmp}", f"train.steps={steps}", "export.enabled=false", "eval.enabled=false",
-                "log.tensorboard=false", f"checkpoint.every_steps={steps + 1}", "train.epochs=100"]
+        over = [
+            *overrides,
+            f"run_dir={tmp}",
+            f"train.steps={steps}",
+            "export.enabled=false",
+            "eval.enabled=false",
+            "log.tensorboard=false",
+            f"checkpoint.every_steps={steps + 1}",
+            "train.epochs=100",
+        ]
         cfg = load_config(cfg_name, over)
         t0 = time.perf_counter()
         trainer = Trainer(cfg, restore=False, target=target)
@@ -134,11 +153,18 @@ def measure(cfg_name: str, overrides: list[str], steps: int, target=None) -> dic
     blocks = statistics.median(r["anchors_per_s"] * r["step_s"] for r in recs)
     labels = statistics.median(r["valid_labels"] for r in recs)
     return {
-        "overrides": overrides, "block_size": int(cfg.block_size), "steps_timed": len(recs),
-        "device": str(jax.devices()[0]), "step_s": step_s, "blocks_per_step": blocks,
-        "blocks_per_s": blocks / step_s, "trained_labels_per_s": labels / step_s,
-        "loss_last": recs[-1]["loss"] if recs else None, "build_s": build_s,
-        "precompute_s": build_s if cfg.features.mode == "offline" else None, **ph,
+        "overrides": overrides,
+        "block_size": int(cfg.block_size),
+        "steps_timed": len(recs),
+        "device": str(jax.devices()[0]),
+        "step_s": step_s,
+        "blocks_per_step": blocks,
+        "blocks_per_s": blocks / step_s,
+        "trained_labels_per_s": labels / step_s,
+        "loss_last": recs[-1]["loss"] if recs else None,
+        "build_s": build_s,
+        "precompute_s": build_s if cfg.features.mode == "offline" else None,
+        **ph,
     }
 
 
@@ -185,18 +211,28 @@ def main(argv=None) -> dict:
             print(f"[throughput]   {r['step_s']:.2f} s/step, {r['blocks_per_s']:.1f} blocks/s", flush=True)
 
     base = {r["block_size"]: r["blocks_per_s"] for r in rows if r["variant"] == "baseline"}
-    lines = ["| K | variant | s/step | blocks/step | blocks/s | x baseline | trained labels/s | target | drafter f+b "
-             "| CE f+b | optimizer | host |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| K | variant | s/step | blocks/step | blocks/s | x baseline | trained labels/s | target | drafter f+b "
+        "| CE f+b | optimizer | host |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
         x = r["blocks_per_s"] / base[r["block_size"]] if r["block_size"] in base else float("nan")
-        lines.append(f"| {r['block_size']} | {r['variant']} | {r['step_s']:.2f} | {r['blocks_per_step']:.0f} | "
-                     f"{r['blocks_per_s']:.1f} | {x:.1f}x | {r['trained_labels_per_s']:.0f} | {r['target_s']:.2f} | "
-                     f"{r['drafter_s']:.2f} | {r['ce_s']:.2f} | {r['optimizer_s']:.3f} | {r['host_s']:.3f} |")
+        lines.append(
+            f"| {r['block_size']} | {r['variant']} | {r['step_s']:.2f} | {r['blocks_per_step']:.0f} | "
+            f"{r['blocks_per_s']:.1f} | {x:.1f}x | {r['trained_labels_per_s']:.0f} | {r['target_s']:.2f} | "
+            f"{r['drafter_s']:.2f} | {r['ce_s']:.2f} | {r['optimizer_s']:.3f} | {r['host_s']:.3f} |"
+        )
     table = "\n".join(lines)
     print(table)
-    rep = {"command": shlex.join(["benchmarks/train_throughput.py", *(sys.argv[1:] if argv is None else argv)]),
-           "config": args.config, "machine": platform.processor() or platform.machine(),
-           "variants": {n: VARIANTS[n] for n in args.variants}, "rows": rows, "table": table}
+    rep = {
+        "command": shlex.join(["benchmarks/train_throughput.py", *(sys.argv[1:] if argv is None else argv)]),
+        "config": args.config,
+        "machine": platform.processor() or platform.machine(),
+        "variants": {n: VARIANTS[n] for n in args.variants},
+        "rows": rows,
+        "table": table,
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     # No path of this machine in a committed result: the home directory reads as ~.
     Path(args.out).write_text(json.dumps(rep, indent=1).replace(str(Path.home()), "~"))

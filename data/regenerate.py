@@ -73,8 +73,9 @@ def plan(conversations: list[dict], tok, max_prompt_tokens: int, *, thinking: bo
     the sake of one long neighbour. The order depends only on the input, which keeps batches reproducible.
     """
     if max_prompt_tokens > PROMPT_BUCKETS[-1]:
-        raise ValueError(f"max_prompt_tokens={max_prompt_tokens} exceeds the largest prompt bucket "
-                         f"{PROMPT_BUCKETS[-1]}")
+        raise ValueError(
+            f"max_prompt_tokens={max_prompt_tokens} exceeds the largest prompt bucket {PROMPT_BUCKETS[-1]}"
+        )
     eligible, skipped, seen = [], Counter(), set()
     for conv in conversations:
         prompt = first_turn_prompt(conv["messages"])
@@ -107,18 +108,33 @@ def check_settings(out_path: str | Path, settings: dict) -> None:
         diff = {k: (old.get(k), v) for k, v in settings.items() if old.get(k) != v}
         if diff:
             said = "; ".join(f"{k}={a!r} there but {b!r} now" for k, (a, b) in diff.items())
-            raise ValueError(f"{out_path}: its replies were made with other settings ({said}, per {side}); "
-                             "resuming would mix them. Give another output, or set them back")
+            raise ValueError(
+                f"{out_path}: its replies were made with other settings ({said}, per {side}); "
+                "resuming would mix them. Give another output, or set them back"
+            )
         return
     if Path(out_path).is_file() and Path(out_path).stat().st_size:
-        print(f"{out_path}: no {side.name} beside it (made before settings were recorded); assuming it was made "
-              "with these settings", file=sys.stderr)
+        print(
+            f"{out_path}: no {side.name} beside it (made before settings were recorded); assuming it was made "
+            "with these settings",
+            file=sys.stderr,
+        )
     atomic_write_json(side, settings)
 
 
-def regenerate(model, tok, conversations: list[dict], out_path: str | Path, *, batch_size: int = 8,
-               max_new_tokens: int = 256, max_prompt_tokens: int = 512, thinking: bool = False,
-               progress: bool = True, target_name: str | None = None) -> dict:
+def regenerate(
+    model,
+    tok,
+    conversations: list[dict],
+    out_path: str | Path,
+    *,
+    batch_size: int = 8,
+    max_new_tokens: int = 256,
+    max_prompt_tokens: int = 512,
+    thinking: bool = False,
+    progress: bool = True,
+    target_name: str | None = None,
+) -> dict:
     """Append the target's greedy first replies to `out_path` (resuming after the ids already there).
 
     A resume must use the settings the file was started with (target, tokenizer, lengths, batch size: checked
@@ -132,16 +148,30 @@ def regenerate(model, tok, conversations: list[dict], out_path: str | Path, *, b
 
     if target_name is None:
         target_name = "arch-" + hashlib.sha256(repr(config_of(model)).encode()).hexdigest()[:16]
-    check_settings(out_path, {"target": target_name, "tokenizer": tokenizer_fingerprint(tok),
-                              "max_new_tokens": max_new_tokens, "max_prompt_tokens": max_prompt_tokens,
-                              "batch_size": batch_size, "thinking": thinking})
+    check_settings(
+        out_path,
+        {
+            "target": target_name,
+            "tokenizer": tokenizer_fingerprint(tok),
+            "max_new_tokens": max_new_tokens,
+            "max_prompt_tokens": max_prompt_tokens,
+            "batch_size": batch_size,
+            "thinking": thinking,
+        },
+    )
     eligible, skipped = plan(conversations, tok, max_prompt_tokens, thinking=thinking)
     done = set(read_done(out_path))
     stops = tuple(stop_token_ids(tok))
-    stats = {"written": 0, "already_done": sum(e[0] in done for e in eligible), "skipped": dict(skipped),
-             "new_tokens": 0, "seconds": 0.0}
-    bar = tqdm(total=len(eligible), initial=stats["already_done"], unit="conv", disable=not progress,
-               dynamic_ncols=True)
+    stats = {
+        "written": 0,
+        "already_done": sum(e[0] in done for e in eligible),
+        "skipped": dict(skipped),
+        "new_tokens": 0,
+        "seconds": 0.0,
+    }
+    bar = tqdm(
+        total=len(eligible), initial=stats["already_done"], unit="conv", disable=not progress, dynamic_ncols=True
+    )
     with Path(out_path).open("a", encoding="utf-8") as out:
         for lo in range(0, len(eligible), batch_size):
             batch = eligible[lo : lo + batch_size]
@@ -151,16 +181,18 @@ def regenerate(model, tok, conversations: list[dict], out_path: str | Path, *, b
             # shape; the copies' replies are thrown away.
             prompts = [e[2] for e in batch] + [batch[-1][2]] * (batch_size - len(batch))
             t0 = time.perf_counter()
-            replies = greedy_generate(model, prompts, max_new_tokens, stop_ids=stops,
-                                      pad_id=tok.pad_token_id or 0)
+            replies = greedy_generate(model, prompts, max_new_tokens, stop_ids=stops, pad_id=tok.pad_token_id or 0)
             stats["seconds"] += time.perf_counter() - t0
             for (rid, prompt, _), reply in zip(batch, replies):
                 if rid in done:
                     continue
                 stopped = bool(reply) and reply[-1] in stops
                 text = tok.decode(reply[:-1] if stopped else reply, skip_special_tokens=False)
-                rec = {"id": rid, "messages": [*prompt, {"role": "assistant", "content": text}],
-                       "finish": "stop" if stopped else "length"}
+                rec = {
+                    "id": rid,
+                    "messages": [*prompt, {"role": "assistant", "content": text}],
+                    "finish": "stop" if stopped else "length",
+                }
                 out.write(json.dumps(rec, ensure_ascii=False) + "\n")
                 out.flush()
                 os.fsync(out.fileno())
@@ -187,24 +219,32 @@ def load(target: str):
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(prog="python -m data.regenerate", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m data.regenerate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--target", required=True, help="HF model directory, .gguf file, or 'smollm2'")
     ap.add_argument("--input", required=True, help="conversation JSONL, or 'sharegpt' (the packaged ShareGPT V3)")
     ap.add_argument("--output", required=True, help="JSONL to write (appended to when resuming)")
-    ap.add_argument("--skip", type=int, default=0,
-                    help="pass over the first N input records (e.g. another run's held-out ones)")
+    ap.add_argument(
+        "--skip", type=int, default=0, help="pass over the first N input records (e.g. another run's held-out ones)"
+    )
     ap.add_argument("--limit", type=int, default=None, help="read at most N input records (after the skipped ones)")
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--max-prompt-tokens", type=int, default=512, help="longer prompts are skipped")
     args = ap.parse_args(argv)
-    conversations, dropped = load_conversations(args.input, limit=args.limit, skip=args.skip,
-                                             require_assistant=False)
+    conversations, dropped = load_conversations(args.input, limit=args.limit, skip=args.skip, require_assistant=False)
     model, tok = load(args.target)
-    stats = regenerate(model, tok, conversations, args.output, batch_size=args.batch_size,
-                       max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
-                       target_name=args.target)
+    stats = regenerate(
+        model,
+        tok,
+        conversations,
+        args.output,
+        batch_size=args.batch_size,
+        max_new_tokens=args.max_new_tokens,
+        max_prompt_tokens=args.max_prompt_tokens,
+        target_name=args.target,
+    )
     stats["dropped_input"] = dict(dropped)
     print(json.dumps(stats), file=sys.stderr)
     return stats

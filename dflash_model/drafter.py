@@ -668,8 +668,9 @@ def block_tokens(cfg: DrafterConfig, tokens_BT, anchors_BN, block_size: int):
     return jnp.concatenate([first[..., None], mask], axis=-1)
 
 
-def train_hidden_from_embeds(drafter: Drafter, features_BTF, block_embeds_BNKD, anchors_BN, start_positions_B=None,
-                             compute_dtype=None):
+def train_hidden_from_embeds(
+    drafter: Drafter, features_BTF, block_embeds_BNKD, anchors_BN, start_positions_B=None, compute_dtype=None
+):
     """Final-normed hidden [B, N, K, D] of N blocks per row whose inputs are given as embeddings.
 
     Block n sits at positions a_n .. a_n+K-1 and sees context features at positions STRICTLY before a_n
@@ -723,6 +724,7 @@ def train_logits(
     """
     _check_target(drafter, target_model)
     blocks = block_tokens(drafter.config, jnp.asarray(tokens_BT, jnp.int32), jnp.asarray(anchors_BN), block_size)
-    hidden = train_hidden_from_embeds(drafter, features_BTF, embed(target_model, blocks), anchors_BN, start_positions_B,
-                                      compute_dtype)
+    hidden = train_hidden_from_embeds(
+        drafter, features_BTF, embed(target_model, blocks), anchors_BN, start_positions_B, compute_dtype
+    )
     return hidden if hidden_only else lm_head(target_model, hidden)

@@ -37,19 +37,33 @@ def build_target(cfg: TargetConfig, *, seed: int = 0) -> nnx.Module:
         from tunix.models.qwen3 import model as qwen3
 
         tcfg = qwen3.ModelConfig(
-            num_layers=cfg.num_hidden_layers, vocab_size=cfg.vocab_size, embed_dim=cfg.hidden_size,
-            hidden_dim=cfg.intermediate_size, num_heads=cfg.num_attention_heads, head_dim=cfg.head_dim,
-            num_kv_heads=cfg.num_key_value_heads, rope_theta=cfg.rope_theta, norm_eps=cfg.rms_norm_eps,
-            use_tied_embedding=cfg.tie_word_embeddings, dtype=dtype, param_dtype=dtype,
+            num_layers=cfg.num_hidden_layers,
+            vocab_size=cfg.vocab_size,
+            embed_dim=cfg.hidden_size,
+            hidden_dim=cfg.intermediate_size,
+            num_heads=cfg.num_attention_heads,
+            head_dim=cfg.head_dim,
+            num_kv_heads=cfg.num_key_value_heads,
+            rope_theta=cfg.rope_theta,
+            norm_eps=cfg.rms_norm_eps,
+            use_tied_embedding=cfg.tie_word_embeddings,
+            dtype=dtype,
+            param_dtype=dtype,
         )
         model = qwen3.Qwen3(tcfg, rngs=rngs)
     else:
         from tunix.models.llama3 import model as llama3
 
         tcfg = llama3.ModelConfig(
-            num_layers=cfg.num_hidden_layers, vocab_size=cfg.vocab_size, embed_dim=cfg.hidden_size,
-            hidden_dim=cfg.intermediate_size, num_heads=cfg.num_attention_heads, head_dim=cfg.head_dim,
-            num_kv_heads=cfg.num_key_value_heads, rope_theta=cfg.rope_theta, norm_eps=cfg.rms_norm_eps,
+            num_layers=cfg.num_hidden_layers,
+            vocab_size=cfg.vocab_size,
+            embed_dim=cfg.hidden_size,
+            hidden_dim=cfg.intermediate_size,
+            num_heads=cfg.num_attention_heads,
+            head_dim=cfg.head_dim,
+            num_kv_heads=cfg.num_key_value_heads,
+            rope_theta=cfg.rope_theta,
+            norm_eps=cfg.rms_norm_eps,
             weight_tying=cfg.tie_word_embeddings,
         )
         model = llama3.Llama3(tcfg, rngs=rngs)

@@ -98,9 +98,7 @@ def chat_prompt_ids(tokenizer, messages: list[dict] | str, *, thinking: bool = F
         messages = [{"role": "user", "content": messages}]
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("tokenizer has no chat template; pass plain prompts instead of --chat")
-    text = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=True, tokenize=False, enable_thinking=thinking
-    )
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, enable_thinking=thinking)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 

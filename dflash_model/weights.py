@@ -273,8 +273,9 @@ def hf_tensor_specs(cfg: TargetConfig) -> dict[str, TensorSpec]:
     return specs
 
 
-def tensor_problems(source, expected_shapes: dict[str, tuple], declared_dtype: str | None,
-                    tolerated=frozenset()) -> list[str]:
+def tensor_problems(
+    source, expected_shapes: dict[str, tuple], declared_dtype: str | None, tolerated=frozenset()
+) -> list[str]:
     """Every missing, unexpected, mis-shaped or mis-typed tensor of `source` against `expected_shapes`.
 
     Dtypes are compared with `declared_dtype` only when it names a float dtype; `tolerated` names extra
@@ -371,12 +372,21 @@ def to_hf_config(cfg: TargetConfig) -> dict:
     """The config.json an HF checkpoint of `cfg` carries."""
     out = {
         "architectures": ["Qwen3ForCausalLM" if cfg.family == "qwen3" else "LlamaForCausalLM"],
-        "model_type": cfg.family, "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_hidden_layers,
-        "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
-        "head_dim": cfg.head_dim, "rope_theta": cfg.rope_theta, "rms_norm_eps": cfg.rms_norm_eps,
-        "tie_word_embeddings": cfg.tie_word_embeddings, "max_position_embeddings": cfg.max_position_embeddings,
-        "hidden_act": "silu", "attention_bias": False, "torch_dtype": cfg.dtype,
+        "model_type": cfg.family,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "rope_theta": cfg.rope_theta,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "torch_dtype": cfg.dtype,
     }
     if cfg.rope_scaling is not None:
         out["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(cfg.rope_scaling)}
@@ -413,6 +423,14 @@ def load_target(path: str | Path, *, dtype: str | None = None, mesh=None):
 
 
 __all__ = [
-    "CheckpointError", "GGUFSource", "RopeScaling", "SafetensorsSource", "check_tensors", "hf_tensor_specs",
-    "load_gguf_target", "load_hf_target", "load_target", "undo_gguf_rope_permute",
+    "CheckpointError",
+    "GGUFSource",
+    "RopeScaling",
+    "SafetensorsSource",
+    "check_tensors",
+    "hf_tensor_specs",
+    "load_gguf_target",
+    "load_hf_target",
+    "load_target",
+    "undo_gguf_rope_permute",
 ]

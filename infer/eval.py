@@ -121,15 +121,18 @@ def _warm(engine: Engine, ids, lengths, key):
     jax.block_until_ready(engine.decode(state.replace(done=jnp.ones_like(state.done))))
 
 
-def run_eval(target_model, draft, prompts: list[list[int]], *, max_new_tokens: int, stop_ids=(), ids=None,
-             progress: bool = True) -> dict:
+def run_eval(
+    target_model, draft, prompts: list[list[int]], *, max_new_tokens: int, stop_ids=(), ids=None, progress: bool = True
+) -> dict:
     """Plain and speculative greedy decoding of each prompt at batch 1; returns the report dict."""
-    return run_comparison(target_model, [draft], prompts, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
-                          ids=ids, progress=progress)[draft.name]
+    return run_comparison(
+        target_model, [draft], prompts, max_new_tokens=max_new_tokens, stop_ids=stop_ids, ids=ids, progress=progress
+    )[draft.name]
 
 
-def run_comparison(target_model, drafts, prompts: list[list[int]], *, max_new_tokens: int, stop_ids=(), ids=None,
-                   progress: bool = True) -> dict[str, dict]:
+def run_comparison(
+    target_model, drafts, prompts: list[list[int]], *, max_new_tokens: int, stop_ids=(), ids=None, progress: bool = True
+) -> dict[str, dict]:
     """Each prompt decoded once plainly and once per draft (batch 1, greedy); {draft name: report}. Every
     report compares against the same plain run, so the drafts' speedups share one baseline."""
     from tqdm import tqdm
@@ -138,8 +141,17 @@ def run_comparison(target_model, drafts, prompts: list[list[int]], *, max_new_to
     if len(set(names)) != len(names):
         raise ValueError(f"draft names must be distinct to compare them: {names}")
     plain = Engine(target_model, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
-    specs = [Engine(target_model, d.proposer, d.params, block_size=d.block_size, max_new_tokens=max_new_tokens,
-                    stop_ids=stop_ids) for d in drafts]
+    specs = [
+        Engine(
+            target_model,
+            d.proposer,
+            d.params,
+            block_size=d.block_size,
+            max_new_tokens=max_new_tokens,
+            stop_ids=stop_ids,
+        )
+        for d in drafts
+    ]
     # Every prompt is padded to the longest one's bucket: one compile per engine instead of one per bucket
     # (compiles dominate a short eval on a CPU); padding after the prompt changes no output.
     width = bucket_length(max(len(p) for p in prompts))
@@ -154,12 +166,17 @@ def run_comparison(target_model, drafts, prompts: list[list[int]], *, max_new_to
         t_plain, g_plain = _timed_decode(plain, *inputs)
         for d, spec in zip(drafts, specs):
             t_spec, g_spec = _timed_decode(spec, *inputs)
-            records[d.name].append({
-                "id": ids[i] if ids else i, "prompt_tokens": len(prompt),
-                "plain_tokens": g_plain.tokens, "spec_tokens": g_spec.tokens,
-                "accept_lengths": g_spec.accept_lengths,
-                "plain_decode_s": t_plain, "spec_decode_s": t_spec,
-            })
+            records[d.name].append(
+                {
+                    "id": ids[i] if ids else i,
+                    "prompt_tokens": len(prompt),
+                    "plain_tokens": g_plain.tokens,
+                    "spec_tokens": g_spec.tokens,
+                    "accept_lengths": g_spec.accept_lengths,
+                    "plain_decode_s": t_plain,
+                    "spec_decode_s": t_spec,
+                }
+            )
     return {d.name: summarize(records[d.name], d, max_new_tokens) for d in drafts}
 
 
@@ -178,20 +195,34 @@ def summarize(records: list[dict], draft, max_new_tokens: int) -> dict:
         p, s = r["plain_tokens"], r["spec_tokens"]
         if p != s:
             first = next((j for j, (x, y) in enumerate(zip(p, s)) if x != y), min(len(p), len(s)))
-            mismatches.append({"id": r["id"], "first_diff": first, "plain": p[first : first + 8],
-                               "spec": s[first : first + 8], "plain_len": len(p), "spec_len": len(s)})
+            mismatches.append(
+                {
+                    "id": r["id"],
+                    "first_diff": first,
+                    "plain": p[first : first + 8],
+                    "spec": s[first : first + 8],
+                    "plain_len": len(p),
+                    "spec_len": len(s),
+                }
+            )
     return {
-        "draft": draft.name, "block_size": k, "prompts": len(records), "max_new_tokens": max_new_tokens,
+        "draft": draft.name,
+        "block_size": k,
+        "prompts": len(records),
+        "max_new_tokens": max_new_tokens,
         **stats,
         "acceptance_note": "position j = j-th draft of a round; unconditional = #(accepted >= j) / rounds; "
-                           "conditional = #(accepted >= j) / #(accepted >= j-1)",
-        "tpot_plain_ms": tpot_plain, "tpot_spec_ms": tpot_spec,
+        "conditional = #(accepted >= j) / #(accepted >= j-1)",
+        "tpot_plain_ms": tpot_plain,
+        "tpot_spec_ms": tpot_spec,
         "speedup": tpot_plain / tpot_spec if spec_tok and plain_tok else math.nan,
         "tokens_per_s_plain": plain_tok / plain_s if plain_s else math.nan,
         "tokens_per_s_spec": spec_tok / spec_s if spec_s else math.nan,
-        "decode_tokens_plain": plain_tok, "decode_tokens_spec": spec_tok,
+        "decode_tokens_plain": plain_tok,
+        "decode_tokens_spec": spec_tok,
         "timing": "decode only (prefill excluded), batch 1, greedy, block_until_ready, compiled beforehand",
-        "lossless_mismatches": len(mismatches), "mismatch_examples": mismatches[:10],
+        "lossless_mismatches": len(mismatches),
+        "mismatch_examples": mismatches[:10],
         "per_prompt": records,
     }
 
@@ -200,7 +231,8 @@ def format_table(rep: dict) -> str:
     lines = [
         f"draft={rep['draft']}  K={rep['block_size']}  prompts={rep['prompts']}  "
         f"max_new_tokens={rep['max_new_tokens']}",
-        "| metric | value |", "|---|---|",
+        "| metric | value |",
+        "|---|---|",
         f"| verify rounds | {rep['rounds']} |",
         f"| tau (mean committed per round, bonus incl.) | {rep['tau']:.3f} |",
         f"| TPOT plain (ms) | {rep['tpot_plain_ms']:.2f} |",
@@ -257,9 +289,12 @@ def format_comparison(reports: dict[str, dict]) -> str:
     ]
     for name, r in reports.items():
         acc = (list(r["acceptance_unconditional"]) + [math.nan] * 3)[:3]
-        lines.append(f"| {name} | {r['block_size']} | {r['tau']:.3f} | " + " | ".join(f"{a:.3f}" for a in acc)
-                     + f" | {r['tpot_spec_ms']:.1f} | {r['speedup']:.2f}x | {r['tokens_per_s_spec']:.2f} | "
-                     f"{r['prompts'] - r['lossless_mismatches']}/{r['prompts']} equal |")
+        lines.append(
+            f"| {name} | {r['block_size']} | {r['tau']:.3f} | "
+            + " | ".join(f"{a:.3f}" for a in acc)
+            + f" | {r['tpot_spec_ms']:.1f} | {r['speedup']:.2f}x | {r['tokens_per_s_spec']:.2f} | "
+            f"{r['prompts'] - r['lossless_mismatches']}/{r['prompts']} equal |"
+        )
     return "\n".join(lines)
 
 
@@ -286,12 +321,17 @@ def plot_comparison(reports: dict[str, dict], path: Path, title: str = "") -> No
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m infer.eval", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m infer.eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--target", required=True)
-    ap.add_argument("--draft", required=True, action="append",
-                    help="none | ngram | random | a drafter directory, optionally SPEC@K; repeat to compare several "
-                         "in one interleaved run (one plain baseline)")
+    ap.add_argument(
+        "--draft",
+        required=True,
+        action="append",
+        help="none | ngram | random | a drafter directory, optionally SPEC@K; repeat to compare several "
+        "in one interleaved run (one plain baseline)",
+    )
     ap.add_argument("--dataset", required=True, help="humaneval, gsm8k, mtbench or a .jsonl file")
     ap.add_argument("--limit", type=at_least(1), default=None, help="the first N prompts (default: all)")
     ap.add_argument("--max-new-tokens", type=at_least(1), required=True)
@@ -331,11 +371,23 @@ def main(argv=None) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if len(drafts) > 1:
-        reports = run_comparison(target.model, drafts, prompts, max_new_tokens=args.max_new_tokens,
-                                 stop_ids=stop_ids, ids=[r["id"] for r in rows], progress=not args.no_progress)
-        rep = {"command": " ".join(["python -m infer.eval", *(sys.argv[1:] if argv is None else argv)]),
-               "target": str(target.path), "dataset": args.dataset, "device": str(jax.devices()[0]),
-               "dtype": target.config.dtype, "reports": reports}
+        reports = run_comparison(
+            target.model,
+            drafts,
+            prompts,
+            max_new_tokens=args.max_new_tokens,
+            stop_ids=stop_ids,
+            ids=[r["id"] for r in rows],
+            progress=not args.no_progress,
+        )
+        rep = {
+            "command": " ".join(["python -m infer.eval", *(sys.argv[1:] if argv is None else argv)]),
+            "target": str(target.path),
+            "dataset": args.dataset,
+            "device": str(jax.devices()[0]),
+            "dtype": target.config.dtype,
+            "reports": reports,
+        }
         # No path of this machine in a result meant to be committed: the home directory reads as ~.
         atomic_write_text(out / "eval.json", json.dumps(rep, indent=1).replace(str(Path.home()), "~"))
         plot_comparison(reports, out / "acceptance.png", title=f"{args.dataset}: per-position acceptance")
@@ -344,10 +396,16 @@ def main(argv=None) -> dict:
         print(table)
         print(f"wrote {out / 'eval.json'}, {out / 'table.md'} and {out / 'acceptance.png'}")
         return rep
-    rep = run_eval(target.model, drafts[0], prompts, max_new_tokens=args.max_new_tokens, stop_ids=stop_ids,
-                   ids=[r["id"] for r in rows], progress=not args.no_progress)
-    rep.update(target=str(target.path), dataset=args.dataset, device=str(jax.devices()[0]),
-               dtype=target.config.dtype)
+    rep = run_eval(
+        target.model,
+        drafts[0],
+        prompts,
+        max_new_tokens=args.max_new_tokens,
+        stop_ids=stop_ids,
+        ids=[r["id"] for r in rows],
+        progress=not args.no_progress,
+    )
+    rep.update(target=str(target.path), dataset=args.dataset, device=str(jax.devices()[0]), dtype=target.config.dtype)
     atomic_write_text(out / "eval.json", json.dumps(rep, indent=1))
     plot_acceptance(rep, out / "acceptance.png")
     print(format_table(rep))

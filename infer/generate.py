@@ -19,8 +19,9 @@ from infer.spec import Engine
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m infer.generate", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m infer.generate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--target", required=True, help="HF model directory, .gguf file, or 'smollm2'")
     ap.add_argument("--draft", default="none", help="drafter directory, none, ngram or random")
     src = ap.add_mutually_exclusive_group(required=True)
@@ -67,8 +68,15 @@ def run(args) -> dict:
         from dflash_model.tokenizer import stop_token_ids
 
         stop_ids = stop_token_ids(target.tokenizer)
-    engine = Engine(target.model, draft.proposer, draft.params, block_size=draft.block_size,
-                    max_new_tokens=args.max_new_tokens, temperature=args.temperature, stop_ids=stop_ids)
+    engine = Engine(
+        target.model,
+        draft.proposer,
+        draft.params,
+        block_size=draft.block_size,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        stop_ids=stop_ids,
+    )
     gen = engine.generate([ids], seed=args.seed)[0]
     result = {
         "tokens": gen.tokens,
@@ -93,8 +101,10 @@ def main(argv=None):
     else:
         print(result.get("text", " ".join(map(str, result["tokens"]))))
         if result["accept_lengths"]:
-            print(f"[{len(result['accept_lengths'])} rounds, mean accept length {result['mean_accept_length']:.2f}]",
-                  file=sys.stderr)
+            print(
+                f"[{len(result['accept_lengths'])} rounds, mean accept length {result['mean_accept_length']:.2f}]",
+                file=sys.stderr,
+            )
 
 
 if __name__ == "__main__":

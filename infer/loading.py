@@ -71,8 +71,15 @@ class Draft:
     max_block: int | None  # largest allowed K (None: unbounded, n-gram)
 
 
-def load_draft_spec(spec: str, target_cfg, block: int | None = None, seed: int = 0, *, dtype: str | None = None,
-                    zero_features: bool = False) -> Draft:
+def load_draft_spec(
+    spec: str,
+    target_cfg,
+    block: int | None = None,
+    seed: int = 0,
+    *,
+    dtype: str | None = None,
+    zero_features: bool = False,
+) -> Draft:
     """'none' (plain decoding), 'ngram' (prompt lookup), 'random' (untrained DFlash drafter preset for the
     target) or a DFlash drafter directory. dtype: a directory's compute dtype (default: as saved);
     zero_features: the features.zero ablation (the drafter sees zeros instead of target features)."""
@@ -103,8 +110,15 @@ def dflash_draft(name: str, drafter, cfg, block: int | None = None, *, zero_feat
     return Draft(name, proposer, params, k, cfg.block_size)
 
 
-_SHAPE_FIELDS = ("family", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                 "num_key_value_heads", "head_dim")
+_SHAPE_FIELDS = (
+    "family",
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+)
 
 
 def random_drafter(target_cfg, seed: int = 0):
@@ -139,7 +153,9 @@ def check_prompt_ids(prompts: list[list[int]], target_cfg, names=None, where: st
         name = names[i] if names else f"{where} {i}"
         bad = [t for t in ids if not 0 <= int(t) < v]
         if bad:
-            raise SystemExit(f"{name}: token id {bad[0]} is outside the target's vocabulary 0..{v - 1} "
-                             f"(vocab_size {v}){f'; {len(bad)} such ids' if len(bad) > 1 else ''}")
+            raise SystemExit(
+                f"{name}: token id {bad[0]} is outside the target's vocabulary 0..{v - 1} "
+                f"(vocab_size {v}){f'; {len(bad)} such ids' if len(bad) > 1 else ''}"
+            )
         if len(ids) >= cap:
             raise SystemExit(f"{name}: {len(ids)} prompt tokens leave no room in the target's {cap} positions")

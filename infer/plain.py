@@ -79,8 +79,11 @@ def greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, stop_i
     """Greedy continuation of each prompt; returns a list of token lists (each cut after its first stop id)."""
     ids, lengths = pad_prompts(prompts, pad_id)
     out, _ = _greedy(
-        model, jnp.asarray(ids), jnp.asarray(lengths),
-        max_new_tokens=max_new_tokens, stop_ids=tuple(int(s) for s in stop_ids),
+        model,
+        jnp.asarray(ids),
+        jnp.asarray(lengths),
+        max_new_tokens=max_new_tokens,
+        stop_ids=tuple(int(s) for s in stop_ids),
     )
     return [truncate_at_stop(row, stop_ids) for row in np.asarray(out).tolist()]
 

@@ -101,7 +101,12 @@ def _round(target, proposer, params, st: DecodeState, *, k, temperature, max_new
 
     done = st.done | jnp.any(stop_hit, axis=1) | (n - st.prompt_len >= max_new)
     return st.replace(
-        history=history, n=n, done=done, cache=cache, draft=draft, rounds=st.rounds + 1,
+        history=history,
+        n=n,
+        done=done,
+        cache=cache,
+        draft=draft,
+        rounds=st.rounds + 1,
         accept=st.accept.at[:, st.rounds].set(jnp.where(st.done, 0, a + 1)),
         proposals=st.proposals.at[jnp.arange(b), st.rounds].set(drafts),
         nonfinite=st.nonfinite | ~jnp.all(jnp.isfinite(out.logits)),
@@ -112,8 +117,13 @@ def _prefill_impl(target, proposer, params, ids_BP, lengths_B, key, stop_S, *, k
     TRACES["prefill"] += 1
     b, p = ids_BP.shape
     capacity = p + max_new + k
-    out = forward(target, ids_BP, KVCache.init(config_of(target), b, capacity), layer_ids=proposer.layer_ids,
-                  logits_at=lengths_B - 1)
+    out = forward(
+        target,
+        ids_BP,
+        KVCache.init(config_of(target), b, capacity),
+        layer_ids=proposer.layer_ids,
+        logits_at=lengths_B - 1,
+    )
     key, sub = jax.random.split(key)
     first = _pick(out.logits, temperature, sub)
     rows = jnp.arange(b)
@@ -121,10 +131,17 @@ def _prefill_impl(target, proposer, params, ids_BP, lengths_B, key, stop_S, *, k
     draft = proposer.observe(params, proposer.init(params, b, capacity), out.features, lengths_B)
     rounds = max(max_new - 1, 1)  # each round commits >= 1 token and the prefill gave the first
     return DecodeState(
-        history=history, prompt_len=lengths_B, n=lengths_B + 1, done=_is_stop(first, stop_S) | (max_new <= 1),
+        history=history,
+        prompt_len=lengths_B,
+        n=lengths_B + 1,
+        done=_is_stop(first, stop_S) | (max_new <= 1),
         stop_ids=stop_S,
-        cache=out.cache.crop(lengths_B), draft=draft, key=key, rounds=jnp.int32(0),
-        accept=jnp.zeros((b, rounds), jnp.int32), proposals=jnp.zeros((b, rounds, k - 1), jnp.int32),
+        cache=out.cache.crop(lengths_B),
+        draft=draft,
+        key=key,
+        rounds=jnp.int32(0),
+        accept=jnp.zeros((b, rounds), jnp.int32),
+        proposals=jnp.zeros((b, rounds, k - 1), jnp.int32),
         nonfinite=~jnp.all(jnp.isfinite(out.logits)),
     )
 
@@ -153,8 +170,17 @@ class Generation:
 class Engine:
     """A target + proposer + block size: `generate(prompts)`, or `prefill` and `decode` separately (timing)."""
 
-    def __init__(self, target, proposer=None, params=None, *, block_size: int = 1, max_new_tokens: int,
-                 temperature: float = 0.0, stop_ids=()):
+    def __init__(
+        self,
+        target,
+        proposer=None,
+        params=None,
+        *,
+        block_size: int = 1,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        stop_ids=(),
+    ):
         proposer = proposer or NoProposer()
         if block_size < 1:
             raise ValueError(f"block size must be >= 1, got {block_size}")
@@ -166,8 +192,7 @@ class Engine:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         self.target = target
         self.proposer, self.params = proposer, params
-        self.static = dict(k=int(block_size), temperature=float(temperature),
-                           max_new=int(max_new_tokens))
+        self.static = dict(k=int(block_size), temperature=float(temperature), max_new=int(max_new_tokens))
         self.stop_ids = tuple(sorted({int(s) for s in stop_ids}))
         slots = 8 * max(1, -(-len(self.stop_ids) // 8))  # a few fixed sizes: the set is data, not a shape
         self.stop_S = jnp.asarray(list(self.stop_ids) + [-1] * (slots - len(self.stop_ids)), jnp.int32)
@@ -190,17 +215,23 @@ class Engine:
 
     def results(self, state: DecodeState) -> list[Generation]:
         history, plen, n, accept, proposals, nonfinite = jax.device_get(
-            (state.history, state.prompt_len, state.n, state.accept, state.proposals, state.nonfinite))
+            (state.history, state.prompt_len, state.n, state.accept, state.proposals, state.nonfinite)
+        )
         if nonfinite:
             # Target and drafter would both "agree" on argmax(NaN) = 0: a perfect tau for garbage.
-            raise FloatingPointError("the target produced NaN/inf logits while decoding (overflow in its dtype, or "
-                                     "damaged weights): the tokens would be argmax(NaN) = 0; nothing is reported")
+            raise FloatingPointError(
+                "the target produced NaN/inf logits while decoding (overflow in its dtype, or "
+                "damaged weights): the tokens would be argmax(NaN) = 0; nothing is reported"
+            )
         out = []
         for b in range(history.shape[0]):
             tokens = history[b, plen[b] : n[b]].tolist()
             rounds = int(np.count_nonzero(accept[b]))
-            out.append(Generation(truncate_at_stop(tokens, self.stop_ids), accept[b, :rounds].tolist(),
-                                  proposals[b, :rounds].tolist()))
+            out.append(
+                Generation(
+                    truncate_at_stop(tokens, self.stop_ids), accept[b, :rounds].tolist(), proposals[b, :rounds].tolist()
+                )
+            )
         return out
 
     def generate(self, prompts: list[list[int]], seed: int = 0) -> list[Generation]:

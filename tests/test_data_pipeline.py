@@ -39,18 +39,30 @@ def mask_runs(ids, mask):
 
 
 def test_normalize_roles_and_drop_rules():
-    rec = {"id": "a", "conversations": [
-        {"from": "system", "value": "S"}, {"from": "gpt", "value": "orphan reply"},
-        {"from": "human", "value": "q1"}, {"from": "chatgpt", "value": "r1"},
-        {"from": "user", "value": "q2"}, {"from": "bard", "value": "r2"},
-        {"from": "bing", "value": "  "}, {"from": "human", "value": "after the empty turn"},
-    ]}
+    rec = {
+        "id": "a",
+        "conversations": [
+            {"from": "system", "value": "S"},
+            {"from": "gpt", "value": "orphan reply"},
+            {"from": "human", "value": "q1"},
+            {"from": "chatgpt", "value": "r1"},
+            {"from": "user", "value": "q2"},
+            {"from": "bard", "value": "r2"},
+            {"from": "bing", "value": "  "},
+            {"from": "human", "value": "after the empty turn"},
+        ],
+    }
     out = normalize_record(rec, "x")
-    assert out == {"id": "a", "messages": [
-        {"role": "system", "content": "S"}, {"role": "user", "content": "q1"},
-        {"role": "assistant", "content": "r1"}, {"role": "user", "content": "q2"},
-        {"role": "assistant", "content": "r2"},
-    ]}
+    assert out == {
+        "id": "a",
+        "messages": [
+            {"role": "system", "content": "S"},
+            {"role": "user", "content": "q1"},
+            {"role": "assistant", "content": "r1"},
+            {"role": "user", "content": "q2"},
+            {"role": "assistant", "content": "r2"},
+        ],
+    }
     oai = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "r"}]}
     assert normalize_record(oai, "f:7") == {"id": "f:7", "messages": oai["messages"]}
     assert normalize_record({"messages": [{"role": "narrator", "content": "x"}]}, "x") == "malformed"
@@ -59,15 +71,24 @@ def test_normalize_roles_and_drop_rules():
     assert normalize_record(["not", "a", "dict"], "x") == "malformed"
     assert normalize_record({"messages": [{"role": "user", "content": "q"}]}, "x") == "empty"
     assert normalize_record({"messages": [{"role": "user", "content": "q"}]}, "x", require_assistant=False) == {
-        "id": "x", "messages": [{"role": "user", "content": "q"}]}
-    assert normalize_record({"messages": [{"role": "user", "content": ""}, {"role": "assistant",
-                                                                            "content": "r"}]}, "x") == "empty"
+        "id": "x",
+        "messages": [{"role": "user", "content": "q"}],
+    }
+    assert (
+        normalize_record({"messages": [{"role": "user", "content": ""}, {"role": "assistant", "content": "r"}]}, "x")
+        == "empty"
+    )
 
 
 def test_jsonl_loading_counts_drops_and_names_bad_lines(tmp_path, caplog):
     good = {"id": "g", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "r"}]}
-    lines = [json.dumps(good), "", json.dumps({"messages": []}), json.dumps({"messages": [{"role": "x"}]}),
-             json.dumps({"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "r"}]})]
+    lines = [
+        json.dumps(good),
+        "",
+        json.dumps({"messages": []}),
+        json.dumps({"messages": [{"role": "x"}]}),
+        json.dumps({"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "r"}]}),
+    ]
     path = tmp_path / "c.jsonl"
     path.write_text("\n".join(lines) + "\n")
     with caplog.at_level("WARNING"):
@@ -97,8 +118,10 @@ def test_skip_passes_over_records_and_keys_the_cache(tmp_path, smol_tok):
     assert [c["id"] for c in later] == [c["id"] for c in convs if c["id"] in {x["id"] for x in later}]
     assert later[0]["id"] not in {c["id"] for c in load_conversations("sharegpt", limit=100)[0]}
     assert {c["id"] for c in later} <= first_ids and len(later) >= 95
-    recs = [{"id": f"c{i}", "messages": [{"role": "user", "content": f"Q{i}?"},
-                                         {"role": "assistant", "content": f"A{i}."}]} for i in range(5)]
+    recs = [
+        {"id": f"c{i}", "messages": [{"role": "user", "content": f"Q{i}?"}, {"role": "assistant", "content": f"A{i}."}]}
+        for i in range(5)
+    ]
     path = tmp_path / "d.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in recs))
     assert pipeline.load_tokenized(path, smol_tok, 64, skip=2).ids == ["c2", "c3", "c4"]
@@ -116,7 +139,7 @@ def test_single_turn_mask_is_reply_plus_end_marker(smol_tok):
     ex = tokenize_conversation(smol_tok, msgs, max_len=512)
     ids, mask = ex["input_ids"], ex["loss_mask"]
     assert ids.dtype == np.int32 and mask.dtype == bool and ids.shape == mask.shape
-    (start, stop), = mask_runs(ids, mask)
+    ((start, stop),) = mask_runs(ids, mask)
     assert smol_tok.decode(ids[start:stop]) == "2+2 = 4, of course.<|im_end|>"
     # The reply starts exactly where inference's generation prompt ends, and only ChatML's "\n" glue follows.
     assert ids[:start].tolist() == chat_prompt_ids(smol_tok, msgs[:1])
@@ -124,9 +147,13 @@ def test_single_turn_mask_is_reply_plus_end_marker(smol_tok):
 
 
 def test_multi_turn_with_system_prompt(smol_tok):
-    msgs = [{"role": "system", "content": "Answer tersely."},
-            {"role": "user", "content": "Capital of France?"}, {"role": "assistant", "content": "Paris."},
-            {"role": "user", "content": "And of Italy?"}, {"role": "assistant", "content": " Rome,\nof course"}]
+    msgs = [
+        {"role": "system", "content": "Answer tersely."},
+        {"role": "user", "content": "Capital of France?"},
+        {"role": "assistant", "content": "Paris."},
+        {"role": "user", "content": "And of Italy?"},
+        {"role": "assistant", "content": " Rome,\nof course"},
+    ]
     ex = tokenize_conversation(smol_tok, msgs, max_len=512)
     ids, mask = ex["input_ids"], ex["loss_mask"]
     runs = mask_runs(ids, mask)
@@ -180,8 +207,12 @@ def test_qwen3_template_past_turns_use_offset_fallback():
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(path))
-    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello there."},
-            {"role": "user", "content": "bye"}, {"role": "assistant", "content": "Goodbye."}]
+    msgs = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "Hello there."},
+        {"role": "user", "content": "bye"},
+        {"role": "assistant", "content": "Goodbye."},
+    ]
     ex = tokenize_conversation(tok, msgs, max_len=512)
     ids = ex["input_ids"]
     runs = mask_runs(ids, ex["loss_mask"])
@@ -220,7 +251,7 @@ def synthetic_records(n, seed=0):
     for i in range(n):
         t = int(rng.integers(8, 30))
         mask = np.zeros(t, bool)
-        mask[t // 3:] = True
+        mask[t // 3 :] = True
         examples.append({"input_ids": 1000 * i + np.arange(t), "loss_mask": mask})
     return TokenizedRecords.from_examples(examples, [f"r{i}" for i in range(n)])
 
@@ -248,10 +279,18 @@ def test_shards_are_disjoint_cover_and_equal():
     recs = synthetic_records(20)
 
     def epochs(shard, count, n_records=None):
-        ds = build_dataset(recs if n_records is None else synthetic_records(n_records), None, 32, 2, seed=5,
-                           num_epochs=2, shard_index=shard, shard_count=count)
+        ds = build_dataset(
+            recs if n_records is None else synthetic_records(n_records),
+            None,
+            32,
+            2,
+            seed=5,
+            num_epochs=2,
+            shard_index=shard,
+            shard_count=count,
+        )
         idx = np.concatenate([b["index"] for b in ds]).tolist()
-        return idx[: len(idx) // 2], idx[len(idx) // 2:]
+        return idx[: len(idx) // 2], idx[len(idx) // 2 :]
 
     (a0, a1), (b0, b1) = epochs(0, 2), epochs(1, 2)
     assert len(a0) == len(b0) == 10
@@ -264,8 +303,18 @@ def test_shards_are_disjoint_cover_and_equal():
 
 
 def test_iterator_state_round_trip():
-    ds = build_dataset(synthetic_records(24), None, 32, 4, seed=7, num_epochs=3, shard_index=0, shard_count=1,
-                       num_anchors=5, block_size=4)
+    ds = build_dataset(
+        synthetic_records(24),
+        None,
+        32,
+        4,
+        seed=7,
+        num_epochs=3,
+        shard_index=0,
+        shard_count=1,
+        num_anchors=5,
+        block_size=4,
+    )
     it = iter(ds)
     take(it, 3)
     state = it.get_state()
@@ -283,8 +332,9 @@ def test_anchors_valid_redrawn_each_epoch_and_seeded():
     recs = synthetic_records(8)
 
     def run(seed):
-        ds = build_dataset(recs, None, 32, 4, seed=seed, num_epochs=2, shard_index=0, shard_count=1,
-                           num_anchors=3, block_size=4)
+        ds = build_dataset(
+            recs, None, 32, 4, seed=seed, num_epochs=2, shard_index=0, shard_count=1, num_anchors=3, block_size=4
+        )
         return [{int(i): a.tolist() for i, a in zip(b["index"], b["anchors"])} for b in ds], list(ds)
 
     per_batch, batches = run(11)
@@ -302,11 +352,19 @@ def test_anchors_valid_redrawn_each_epoch_and_seeded():
 
 
 def test_jsonl_is_tokenized_once_then_cached(tmp_path, smol_tok, monkeypatch):
-    recs = [{"id": f"c{i}", "messages": [{"role": "user", "content": f"Question {i}?"},
-                                         {"role": "assistant", "content": f"Answer number {i}, twice {2 * i}."}]}
-            for i in range(6)]
-    recs.append({"id": "long", "messages": [{"role": "user", "content": "word " * 200},
-                                            {"role": "assistant", "content": "ok"}]})
+    recs = [
+        {
+            "id": f"c{i}",
+            "messages": [
+                {"role": "user", "content": f"Question {i}?"},
+                {"role": "assistant", "content": f"Answer number {i}, twice {2 * i}."},
+            ],
+        }
+        for i in range(6)
+    ]
+    recs.append(
+        {"id": "long", "messages": [{"role": "user", "content": "word " * 200}, {"role": "assistant", "content": "ok"}]}
+    )
     path = tmp_path / "train.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in recs))
     first = list(build_dataset(path, smol_tok, 64, 2, seed=0, shard_index=0, shard_count=1, num_anchors=4))

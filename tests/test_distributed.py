@@ -26,8 +26,16 @@ from train.trainer import Trainer
 REPO = Path(__file__).resolve().parent.parent
 STEPS = 5
 # Smaller than tiny (2 target layers, 1 drafter layer): three compilations of the step share 2 CPU cores.
-OVERRIDES = ["target.arch.num_hidden_layers=2", "drafter.num_layers=1", "drafter.target_layer_ids=[0,1]",
-             f"train.steps={STEPS}", "checkpoint.every_steps=2", "mesh.data=1", "mesh.fsdp=2", "log.every=1"]
+OVERRIDES = [
+    "target.arch.num_hidden_layers=2",
+    "drafter.num_layers=1",
+    "drafter.target_layer_ids=[0,1]",
+    f"train.steps={STEPS}",
+    "checkpoint.every_steps=2",
+    "mesh.data=1",
+    "mesh.fsdp=2",
+    "log.every=1",
+]
 TIMEOUT_S = 240
 
 
@@ -45,19 +53,32 @@ def _tail(path: Path, n: int = 4000) -> str:
     return path.read_text(errors="replace")[-n:] if path.exists() else "(no output)"
 
 
-def _launch(run_dir: Path, logs: Path, num_processes: int = 2, extra: tuple[str, ...] = ()
-            ) -> list[tuple[subprocess.Popen, Path]]:
+def _launch(
+    run_dir: Path, logs: Path, num_processes: int = 2, extra: tuple[str, ...] = ()
+) -> list[tuple[subprocess.Popen, Path]]:
     port = _free_port()
     procs = []
     for pid in range(num_processes):
-        env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "1",
-               "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": str(num_processes),
-               "JAX_PROCESS_ID": str(pid)}
+        env = {
+            **os.environ,
+            "JAX_PLATFORMS": "cpu",
+            "JAX_NUM_CPU_DEVICES": "1",
+            "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
+            "JAX_NUM_PROCESSES": str(num_processes),
+            "JAX_PROCESS_ID": str(pid),
+        }
         for k in ("JAX_COMPILATION_CACHE_DIR", "XLA_FLAGS"):  # e.g. a forced host device count: 1 device each
             env.pop(k, None)
         err = logs / f"process{pid}.log"
-        cmd = [sys.executable, str(REPO / "train" / "run.py"), "--config", "tiny", f"run_dir={run_dir}",
-               *OVERRIDES, *extra]
+        cmd = [
+            sys.executable,
+            str(REPO / "train" / "run.py"),
+            "--config",
+            "tiny",
+            f"run_dir={run_dir}",
+            *OVERRIDES,
+            *extra,
+        ]
         with err.open("wb") as f:  # a file, not a pipe: a full pipe would stall one process and hang the other
             procs.append((subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT), err))
     return procs
@@ -92,8 +113,9 @@ def test_two_processes_train_like_one(tmp_path):
     dist_dir, ref_dir = tmp_path / "two_processes", tmp_path / "one_process"
     prompts = tmp_path / "prompts.jsonl"
     rng = np.random.default_rng(0)
-    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt_ids": rng.integers(0, 500, 12).tolist()}) + "\n"
-                               for i in range(2)))
+    prompts.write_text(
+        "".join(json.dumps({"id": f"p{i}", "prompt_ids": rng.integers(0, 500, 12).tolist()}) + "\n" for i in range(2))
+    )
     evaluate = ("eval.enabled=true", f"eval.prompts={prompts}", "eval.max_new_tokens=12", "eval.num_prompts=2")
     t0 = time.time()
     procs = _launch(dist_dir, tmp_path, extra=evaluate)
@@ -115,9 +137,11 @@ def test_two_processes_train_like_one(tmp_path):
     np.testing.assert_allclose([r["grad_norm"] for r in got], [r["grad_norm"] for r in want], rtol=1e-4)
     # Throughput counts the global batch (both processes' rows), not process 0's half of it.
     assert [round(r["tokens_per_s"] * r["step_s"]) for r in got] == [
-        round(r["tokens_per_s"] * r["step_s"]) for r in want]
+        round(r["tokens_per_s"] * r["step_s"]) for r in want
+    ]
     assert [round(r["anchors_per_s"] * r["step_s"]) for r in got] == [
-        round(r["anchors_per_s"] * r["step_s"]) for r in want]
+        round(r["anchors_per_s"] * r["step_s"]) for r in want
+    ]
 
     # Export and config: written by process 0 only (process 1's summary names no export).
     from safetensors.numpy import load_file
@@ -178,8 +202,9 @@ def test_a_signal_to_one_process_stops_both_at_the_same_step(tmp_path):
     from train.run import STOPPED_EXIT
 
     run_dir = tmp_path / "run"
-    procs = _launch(run_dir, tmp_path, extra=("train.steps=60", "checkpoint.every_steps=100",
-                                              "debug.sleep_per_step=0.2"))
+    procs = _launch(
+        run_dir, tmp_path, extra=("train.steps=60", "checkpoint.every_steps=100", "debug.sleep_per_step=0.2")
+    )
     deadline = time.time() + TIMEOUT_S
     metrics = run_dir / "metrics.jsonl"
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
@@ -190,8 +215,10 @@ def test_a_signal_to_one_process_stops_both_at_the_same_step(tmp_path):
     assert not failure, failure
     assert [p.returncode for p, _ in procs] == [STOPPED_EXIT] * 2  # stopped, not finished: a scheduler sees it
     logs = [_tail(err, 10**6) for _, err in procs]
-    stops = [re.findall(r"SIGTERM received( by another process)?: checkpointing step (\d+) and stopping", log)
-             for log in logs]
+    stops = [
+        re.findall(r"SIGTERM received( by another process)?: checkpointing step (\d+) and stopping", log)
+        for log in logs
+    ]
     assert [len(s) for s in stops] == [1, 1], stops
     (by_other, step0), (by_self, step1) = stops[0][0], stops[1][0]
     assert by_other and not by_self, stops  # process 0 stopped because process 1 was told to
@@ -221,9 +248,11 @@ def test_two_processes_build_offline_features_together(tmp_path):
     assert got.shape == want.shape == (512, 64, 2 * 64)
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
     assert json.loads((dist_dir / "features" / "meta.json").read_text()) == json.loads(
-        (ref_dir / "features" / "meta.json").read_text())
-    np.testing.assert_allclose([r["loss"] for r in _records(dist_dir)], [r["loss"] for r in _records(ref_dir)],
-                               rtol=1e-5, atol=0)
+        (ref_dir / "features" / "meta.json").read_text()
+    )
+    np.testing.assert_allclose(
+        [r["loss"] for r in _records(dist_dir)], [r["loss"] for r in _records(ref_dir)], rtol=1e-5, atol=0
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -26,8 +26,15 @@ def tiny():
 def test_generate_cli_json(tiny, capsys):
     """--json prints one object; tokens equal plain greedy for n-gram and for an untrained DFlash drafter."""
     ref = greedy_generate(tiny, [PROMPT], 12)[0]
-    base = ["--target", str(FIXTURES / "tiny_qwen3"), "--prompt-ids", ",".join(map(str, PROMPT)),
-            "--max-new-tokens", "12", "--json"]
+    base = [
+        "--target",
+        str(FIXTURES / "tiny_qwen3"),
+        "--prompt-ids",
+        ",".join(map(str, PROMPT)),
+        "--max-new-tokens",
+        "12",
+        "--json",
+    ]
     for draft, k in (("ngram", 4), ("random", 3)):
         generate.main(base + ["--draft", draft, "--block", str(k)])
         out = json.loads(capsys.readouterr().out)
@@ -54,9 +61,25 @@ def test_eval_cli_on_a_jsonl_of_prompt_ids(tmp_path, capsys):
     data.write_text("\n".join(json.dumps({"id": f"p{i}", "prompt_ids": PROMPT[i:] + PROMPT}) for i in range(3)))
     out = tmp_path / "out"
     # Same target, K and max_new_tokens as the generate test: the speculative engine's compile is reused.
-    rep = ev.main(["--target", str(FIXTURES / "tiny_qwen3"), "--draft", "ngram", "--block", "4",
-                   "--dataset", str(data), "--limit", "2", "--max-new-tokens", "12", "--out", str(out),
-                   "--no-progress"])
+    rep = ev.main(
+        [
+            "--target",
+            str(FIXTURES / "tiny_qwen3"),
+            "--draft",
+            "ngram",
+            "--block",
+            "4",
+            "--dataset",
+            str(data),
+            "--limit",
+            "2",
+            "--max-new-tokens",
+            "12",
+            "--out",
+            str(out),
+            "--no-progress",
+        ]
+    )
     saved = json.loads((out / "eval.json").read_text())
     assert saved["prompts"] == 2 and saved["lossless_mismatches"] == 0
     assert sum(saved["tau_histogram"].values()) == saved["rounds"] > 0
@@ -71,10 +94,24 @@ def test_eval_cli_on_a_jsonl_of_prompt_ids(tmp_path, capsys):
 
 
 def test_eval_counts_lossless_mismatches():
-    recs = [{"id": "a", "plain_tokens": [1, 2, 3], "spec_tokens": [1, 2, 3], "accept_lengths": [2],
-             "plain_decode_s": 1.0, "spec_decode_s": 0.5},
-            {"id": "b", "plain_tokens": [1, 2, 3, 4], "spec_tokens": [1, 2, 5, 4], "accept_lengths": [1, 2],
-             "plain_decode_s": 1.5, "spec_decode_s": 1.0}]
+    recs = [
+        {
+            "id": "a",
+            "plain_tokens": [1, 2, 3],
+            "spec_tokens": [1, 2, 3],
+            "accept_lengths": [2],
+            "plain_decode_s": 1.0,
+            "spec_decode_s": 0.5,
+        },
+        {
+            "id": "b",
+            "plain_tokens": [1, 2, 3, 4],
+            "spec_tokens": [1, 2, 5, 4],
+            "accept_lengths": [1, 2],
+            "plain_decode_s": 1.5,
+            "spec_decode_s": 1.0,
+        },
+    ]
     rep = ev.summarize(recs, Draft("ngram", NGramProposer(), None, 2, None), max_new_tokens=4)
     assert rep["lossless_mismatches"] == 1
     assert rep["mismatch_examples"][0]["id"] == "b" and rep["mismatch_examples"][0]["first_diff"] == 2
@@ -107,14 +144,22 @@ def test_out_of_vocabulary_prompt_ids_are_refused(bad, tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_text(json.dumps({"id": "x", "prompt_ids": [3, int(bad)]}) + "\n")
     with pytest.raises(SystemExit, match=f"prompt x: token id {bad}"):
-        ev.main(target + ["--draft", "ngram", "--dataset", str(path), "--max-new-tokens", "4", "--out",
-                          str(tmp_path / "o")])
+        ev.main(
+            target + ["--draft", "ngram", "--dataset", str(path), "--max-new-tokens", "4", "--out", str(tmp_path / "o")]
+        )
 
 
-@pytest.mark.parametrize("flag, value, cli", [
-    ("--block", "0", "generate"), ("--block", "1", "eval"), ("--limit", "0", "eval"), ("--limit", "-1", "eval"),
-    ("--max-new-tokens", "0", "generate"), ("--temperature", "-0.5", "generate"),
-])
+@pytest.mark.parametrize(
+    "flag, value, cli",
+    [
+        ("--block", "0", "generate"),
+        ("--block", "1", "eval"),
+        ("--limit", "0", "eval"),
+        ("--limit", "-1", "eval"),
+        ("--max-new-tokens", "0", "generate"),
+        ("--temperature", "-0.5", "generate"),
+    ],
+)
 def test_out_of_range_arguments_are_refused(flag, value, cli, tmp_path, capsys):
     """A zero or negative count once meant 'the default' (--block 0), 'everything' (--limit 0) or dropped a
     prompt (--limit -1); argparse now refuses it by name before anything loads."""

@@ -99,8 +99,9 @@ def test_greedy_ngram_equals_plain_greedy(family, k):
     assert max(out[1].accept_lengths) > 1
 
     stop = ref[1][9]
-    stopped = Engine(_target(family), NGramProposer(), block_size=k, max_new_tokens=MAX_NEW,
-                     stop_ids=(stop,)).generate(prompts)
+    stopped = Engine(_target(family), NGramProposer(), block_size=k, max_new_tokens=MAX_NEW, stop_ids=(stop,)).generate(
+        prompts
+    )
     assert [g.tokens for g in stopped] == [truncate_at_stop(r, (stop,)) for r in ref]
     assert len(stopped[1].tokens) <= 10
 
@@ -123,8 +124,9 @@ def test_batch_one_and_plain_engine():
 
 def _tiny_drafter(family, seed=0):
     target = _target(family)
-    cfg = drafter_config_for(target.target_config, mask_token_id=511, num_layers=1, block_size=16,
-                             target_layer_ids=(0, 1))
+    cfg = drafter_config_for(
+        target.target_config, mask_token_id=511, num_layers=1, block_size=16, target_layer_ids=(0, 1)
+    )
     return cfg, build_drafter(cfg, seed=seed)
 
 

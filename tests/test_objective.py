@@ -19,8 +19,9 @@ LAYER_IDS = (0, 2)
 @pytest.fixture(scope="module")
 def setup():
     target = tiny_target("qwen3")
-    cfg = drafter_config_for(target.target_config, mask_token_id=511, num_layers=2, n_features=2,
-                             block_size=K, target_layer_ids=LAYER_IDS)
+    cfg = drafter_config_for(
+        target.target_config, mask_token_id=511, num_layers=2, n_features=2, block_size=K, target_layer_ids=LAYER_IDS
+    )
     drafter = build_drafter(cfg, seed=1)
     rng = np.random.default_rng(0)
     tokens = jnp.asarray(rng.integers(0, 500, (2, 40)), jnp.int32)
@@ -57,9 +58,20 @@ def test_loss_equals_per_block_recomputation(setup, loss_positions, soft_weight)
     gamma = 3.0
     last = target.target_config.num_hidden_layers - 1
     teacher = final_norm(target, forward(target, tokens, layer_ids=(last,), compute_logits=False).features)
-    loss, metrics = dflash_loss(drafter, target, features, tokens, loss_mask, anchors, block_size=K, gamma=gamma,
-                                ce_chunk=7,  # a chunk size that does not divide M exercises the padding
-                                loss_positions=loss_positions, teacher_BTD=teacher, soft_weight=soft_weight)
+    loss, metrics = dflash_loss(
+        drafter,
+        target,
+        features,
+        tokens,
+        loss_mask,
+        anchors,
+        block_size=K,
+        gamma=gamma,
+        ce_chunk=7,  # a chunk size that does not divide M exercises the padding
+        loss_positions=loss_positions,
+        teacher_BTD=teacher,
+        soft_weight=soft_weight,
+    )
     target_p = jax.nn.softmax(np.asarray(forward(target, tokens).logits, np.float64), -1)
     labels, valid = block_labels(tokens, loss_mask, anchors, K)
     slots = K if loss_positions is None else loss_positions + 1
@@ -137,8 +149,9 @@ def test_gradients_respect_the_isolation_mask(setup):
     """d loss / d features is zero at and after the last real anchor of a single-anchor row, non-zero before."""
     target, drafter, tokens, loss_mask, _, features = setup
     anchors = jnp.asarray([[20, -1, -1, -1], [-1, -1, -1, -1]], jnp.int32)
-    grad = jax.grad(lambda f: dflash_loss(drafter, target, f, tokens, loss_mask, anchors, block_size=K,
-                                          gamma=7.0)[0])(features)
+    grad = jax.grad(lambda f: dflash_loss(drafter, target, f, tokens, loss_mask, anchors, block_size=K, gamma=7.0)[0])(
+        features
+    )
     per_pos = np.abs(np.asarray(grad)).sum(-1)
     assert (per_pos[0, 20:] == 0).all() and (per_pos[1] == 0).all()
     assert (per_pos[0, :20] > 0).all()
@@ -170,14 +183,25 @@ def test_draft_vocab_loss_is_full_loss_restricted_to_it(setup):
     """A reduced-vocabulary loss (FR-Spec) equals the plain formula over those lm_head rows only, with labels
     outside the vocabulary left out; its gradient equals that formula's."""
     target, drafter, tokens, loss_mask, anchors, features = setup
-    vocab = jnp.asarray(np.unique(np.concatenate([np.asarray(tokens).reshape(-1)[::3], [7, 300]]))[::-1].copy(),
-                        jnp.int32)  # about a third of the tokens in the text: many labels fall outside
+    vocab = jnp.asarray(
+        np.unique(np.concatenate([np.asarray(tokens).reshape(-1)[::3], [7, 300]]))[::-1].copy(), jnp.int32
+    )  # about a third of the tokens in the text: many labels fall outside
     params = nnx.state(drafter, nnx.Param)
     graph = nnx.graphdef(drafter)
 
     def reduced(p):
-        return dflash_loss(nnx.merge(graph, p), target, features, tokens, loss_mask, anchors, block_size=K,
-                           gamma=3.0, ce_chunk=7, vocab_ids_N=vocab)[0]
+        return dflash_loss(
+            nnx.merge(graph, p),
+            target,
+            features,
+            tokens,
+            loss_mask,
+            anchors,
+            block_size=K,
+            gamma=3.0,
+            ce_chunk=7,
+            vocab_ids_N=vocab,
+        )[0]
 
     def plain(p):
         from dflash_model.drafter import train_logits
@@ -230,8 +254,9 @@ def test_bf16_compute_matches_fp32(setup):
     params, graph = nnx.state(drafter, nnx.Param), nnx.graphdef(drafter)
 
     def loss(p, dt):
-        return dflash_loss(nnx.merge(graph, p), target, features, tokens, loss_mask, anchors, block_size=K,
-                           gamma=3.0, compute_dtype=dt)[0]
+        return dflash_loss(
+            nnx.merge(graph, p), target, features, tokens, loss_mask, anchors, block_size=K, gamma=3.0, compute_dtype=dt
+        )[0]
 
     l32, g32 = jax.value_and_grad(lambda p: loss(p, jnp.float32))(params)
     l16, g16 = jax.value_and_grad(lambda p: loss(p, jnp.bfloat16))(params)

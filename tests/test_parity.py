@@ -49,8 +49,9 @@ def test_hf_parity_fp32(name):
     for s in range(512, 600, 16):
         out = fwd(model, ids[:, s : s + 16], out.cache)
         logits.append(out.logits)
-    np.testing.assert_allclose(np.concatenate(logits, axis=1)[0], np.load(model_dir / "reference.npz")["logits"],
-                               atol=1e-4, rtol=0)
+    np.testing.assert_allclose(
+        np.concatenate(logits, axis=1)[0], np.load(model_dir / "reference.npz")["logits"], atol=1e-4, rtol=0
+    )
 
 
 def test_bf16_checkpoint():

@@ -30,15 +30,30 @@ def smol_tok(tmp_path_factory):
 @pytest.fixture(scope="module")
 def model():
     """A random Llama with SmolLM2's vocabulary (so its tokenizer applies) and a tiny body."""
-    return tiny_target("llama", vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                       num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    return tiny_target(
+        "llama",
+        vocab_size=49152,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+    )
 
 
 def conversations():
     user = lambda text: {"role": "user", "content": text}
     return [
-        {"id": "a", "messages": [user("Name a colour."), {"role": "assistant", "content": "Blue."},
-                                 user("Another?"), {"role": "assistant", "content": "Red."}]},
+        {
+            "id": "a",
+            "messages": [
+                user("Name a colour."),
+                {"role": "assistant", "content": "Blue."},
+                user("Another?"),
+                {"role": "assistant", "content": "Red."},
+            ],
+        },
         {"id": "b", "messages": [{"role": "system", "content": "Be brief."}, user("Say hi.")]},
         {"id": "too-long", "messages": [user("many words " * 40)]},
         {"id": "c", "messages": [user("What is 3 + 4?")]},
@@ -50,8 +65,9 @@ def conversations():
 
 
 def run(model, tok, out, **kw):
-    return regenerate(model, tok, conversations(), out, batch_size=2, max_new_tokens=NEW, max_prompt_tokens=48,
-                      progress=False, **kw)
+    return regenerate(
+        model, tok, conversations(), out, batch_size=2, max_new_tokens=NEW, max_prompt_tokens=48, progress=False, **kw
+    )
 
 
 def test_first_turn_prompt():
@@ -91,7 +107,7 @@ def test_records_structure_and_equal_direct_greedy(tmp_path, model, smol_tok):
     prompts = [chat_prompt_ids(smol_tok, r["messages"][:-1]) for r in lines]
     direct = []
     for lo in (0, 2, 4):
-        batch = (prompts[lo: lo + 2] + prompts[-1:])[:2]
+        batch = (prompts[lo : lo + 2] + prompts[-1:])[:2]
         direct += greedy_generate(model, batch, NEW, stop_ids=stop_token_ids(smol_tok), pad_id=2)[: len(prompts) - lo]
     assert [r["messages"][-1]["content"] for r in lines] == [smol_tok.decode(t) for t in direct]
     assert all(len(t) == NEW for t in direct)
@@ -119,8 +135,16 @@ def test_resume_under_other_settings_is_refused(tmp_path, model, smol_tok):
     run(model, smol_tok, out)
     assert json.loads((tmp_path / "out.jsonl.settings.json").read_text())["max_new_tokens"] == NEW
     with pytest.raises(ValueError, match=rf"out.jsonl: .*max_new_tokens={NEW} there but {NEW + 1} now"):
-        regenerate(model, smol_tok, conversations(), out, batch_size=2, max_new_tokens=NEW + 1,
-                   max_prompt_tokens=48, progress=False)
+        regenerate(
+            model,
+            smol_tok,
+            conversations(),
+            out,
+            batch_size=2,
+            max_new_tokens=NEW + 1,
+            max_prompt_tokens=48,
+            progress=False,
+        )
     with pytest.raises(ValueError, match=r"target='arch-\w+' there but 'other' now"):
         run(model, smol_tok, out, target_name="other")
     assert run(model, smol_tok, out)["written"] == 0

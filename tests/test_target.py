@@ -109,8 +109,12 @@ def test_sharded_forward_on_8_fake_devices(family):
 
 
 # Parameter counts of the real checkpoints (HF model cards / config.json arithmetic).
-REAL_PARAMS = {"qwen3-4b": 4_022_468_096, "qwen3-8b": 8_190_735_360, "llama-3.1-8b": 8_030_261_248,
-               "smollm2-135m": 134_515_008}
+REAL_PARAMS = {
+    "qwen3-4b": 4_022_468_096,
+    "qwen3-8b": 8_190_735_360,
+    "llama-3.1-8b": 8_030_261_248,
+    "smollm2-135m": 134_515_008,
+}
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
@@ -124,5 +128,7 @@ def test_real_presets_build_abstractly(name):
     assert report["bytes"] == REAL_PARAMS[name] * bytes_per
     # fsdp x tensor = 16-way for everything large; only norms (and non-dividing dims) replicate.
     assert report["bytes_per_device"] < report["bytes"] / 12
-    print(f"{name}: {report['params'] / 1e9:.3f}B params, {report['bytes'] / 2**30:.2f} GiB, "
-          f"{report['bytes_per_device'] / 2**20:.0f} MiB per device on {report['mesh']}")
+    print(
+        f"{name}: {report['params'] / 1e9:.3f}B params, {report['bytes'] / 2**30:.2f} GiB, "
+        f"{report['bytes_per_device'] / 2**20:.0f} MiB per device on {report['mesh']}"
+    )

@@ -26,8 +26,9 @@ def test_training_raises_simulated_and_real_tau(tmp_path):
     tt = _tiny_tau()
     # 250 steps at a constant 6e-3 (a cosine spends half of a short run at a low rate), 1024 training sequences
     # (<2 epochs), 8 held-out prompts, K=8, no n-gram reference (one compile fewer). 45-70 s on 2 busy CPU cores.
-    s = tt.Settings(steps=250, block_size=8, train_prompts=1024, eval_prompts=8, lr=6e-3, schedule="constant",
-                    ngram=False)
+    s = tt.Settings(
+        steps=250, block_size=8, train_prompts=1024, eval_prompts=8, lr=6e-3, schedule="constant", ngram=False
+    )
     rep = tt.run(s, tmp_path / "run")
     sim, real = rep["sim_tau"], rep["real_tau"]
     print(tt.format_table(rep))

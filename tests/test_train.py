@@ -144,8 +144,10 @@ def test_a_second_training_in_one_run_dir_is_refused(tmp_path):
     held.release()
     tr.train(max_steps=1)
     assert tr.step == 1
-    code = ("import os, signal, sys; from dflash_model.files import RunLock; RunLock(sys.argv[1]); "
-            "os.kill(os.getpid(), signal.SIGKILL)")
+    code = (
+        "import os, signal, sys; from dflash_model.files import RunLock; RunLock(sys.argv[1]); "
+        "os.kill(os.getpid(), signal.SIGKILL)"
+    )
     proc = subprocess.run([sys.executable, "-c", code, str(run_dir)], cwd=REPO)
     assert proc.returncode == -signal.SIGKILL
     RunLock(run_dir).release()  # the killed holder's lock is gone with it
@@ -175,8 +177,9 @@ def test_sharded_mesh_matches_one_device(tmp_path):
     """data=2 x fsdp=4 (batch over 8 devices, params FSDP-sharded) vs one device: same loss and grads."""
     small = ["target.arch.num_hidden_layers=2", "drafter.num_layers=1", "drafter.target_layer_ids=[0,1]"]
     one = Trainer(load_config("tiny", [f"run_dir={tmp_path / 'a'}", *small]), restore=False)
-    eight = Trainer(load_config("tiny", [f"run_dir={tmp_path / 'b'}", "mesh.data=2", "mesh.fsdp=4", *small]),
-                    restore=False)
+    eight = Trainer(
+        load_config("tiny", [f"run_dir={tmp_path / 'b'}", "mesh.data=2", "mesh.fsdp=4", *small]), restore=False
+    )
     assert eight.mesh.devices.size == 8
     batch = next(one.iterator)
     loss1, g1 = one.grads(batch)
@@ -207,11 +210,17 @@ def test_kill9_then_restart_reproduces_losses(run30, tmp_path):
     uninterrupted in-process run bit for bit (same program on device 0 of 8 fake CPU devices)."""
     run_dir = tmp_path / "killed"
     # The in-process run's compile cache (see run30): both processes load the step instead of compiling it.
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "8",
-           "JAX_COMPILATION_CACHE_DIR": str(run30[4]), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "JAX_NUM_CPU_DEVICES": "8",
+        "JAX_COMPILATION_CACHE_DIR": str(run30[4]),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    }
     cmd = [sys.executable, str(REPO / "train" / "run.py"), "--config", "tiny", f"run_dir={run_dir}"]
-    proc = subprocess.Popen(cmd + ["debug.sleep_per_step=0.5"], cwd=REPO, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        cmd + ["debug.sleep_per_step=0.5"], cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
     deadline = time.time() + 150
     while not (run_dir / "checkpoints" / "10").is_dir():
         assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
@@ -256,16 +265,19 @@ def test_distillation_and_loss_positions_reach_the_step(tmp_path):
     losses = {}
     for w in (0.0, 0.5):
         run_dir = tmp_path / f"w{w}"
-        tr = Trainer(load_config("tiny", [f"run_dir={run_dir}", "loss_positions=3", f"distill_weight={w}"]),
-                     restore=False)
+        tr = Trainer(
+            load_config("tiny", [f"run_dir={run_dir}", "loss_positions=3", f"distill_weight={w}"]), restore=False
+        )
         tr.train(max_steps=1)
         (rec,) = _records(run_dir)
         assert len(rec["acc"]) == 3 and math.isfinite(rec["loss"])
         losses[w] = rec["loss"]
     assert abs(losses[0.5] - losses[0.0]) > 1e-3, losses
     with pytest.raises(ValueError, match="distill_weight=0.5 needs features.mode=online"):
-        Trainer(load_config("tiny", [f"run_dir={tmp_path / 'off'}", "distill_weight=0.5", "features.mode=offline"]),
-                restore=False)
+        Trainer(
+            load_config("tiny", [f"run_dir={tmp_path / 'off'}", "distill_weight=0.5", "features.mode=offline"]),
+            restore=False,
+        )
 
 
 def test_drafter_layer_types_from_the_config():
@@ -295,8 +307,10 @@ def test_drafter_init_starts_from_an_exported_drafter(run30, tmp_path):
 
     export = run30[0] / "export"
     _, exported = load_drafter(export, dtype="float32")
-    tr = Trainer(load_config("tiny", [f"run_dir={tmp_path / 'ft'}", f"drafter.init={export}", "block_size=4",
-                                      "seed=1"]), restore=False)
+    tr = Trainer(
+        load_config("tiny", [f"run_dir={tmp_path / 'ft'}", f"drafter.init={export}", "block_size=4", "seed=1"]),
+        restore=False,
+    )
     fresh = Trainer(load_config("tiny", [f"run_dir={tmp_path / 'fresh'}", "seed=1"]), restore=False)
     got, want, control = _params(tr.drafter()), _params(exported), _params(fresh.drafter())
     assert set(got) == set(want)
@@ -304,8 +318,18 @@ def test_drafter_init_starts_from_an_exported_drafter(run30, tmp_path):
         np.testing.assert_array_equal(got[k], want[k], err_msg=str(k))
     assert max(float(np.abs(control[k] - want[k]).max()) for k in want) > 1e-2  # the seed alone gives other weights
     with pytest.raises(ValueError, match=r"drafter.init=.*num_hidden_layers"):
-        Trainer(load_config("tiny", [f"run_dir={tmp_path / 'bad'}", f"drafter.init={export}",
-                                     "drafter.num_layers=1", "drafter.target_layer_ids=[0, 2]"]), restore=False)
+        Trainer(
+            load_config(
+                "tiny",
+                [
+                    f"run_dir={tmp_path / 'bad'}",
+                    f"drafter.init={export}",
+                    "drafter.num_layers=1",
+                    "drafter.target_layer_ids=[0, 2]",
+                ],
+            ),
+            restore=False,
+        )
 
 
 def test_offline_features_are_keyed_by_the_token_ids(run30, tmp_path):
@@ -339,8 +363,9 @@ def test_token_ids_beyond_the_target_vocabulary_are_refused_before_training():
     cfg = load_config("tiny")
     ok = TokenizedRecords.from_examples([{"input_ids": [1, 2, 511], "loss_mask": [0, 1, 1]}])
     check_token_ids(ok, 512, cfg)
-    bad = TokenizedRecords.from_examples([{"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]},
-                                          {"input_ids": [4, 600, 5], "loss_mask": [0, 1, 1]}])
+    bad = TokenizedRecords.from_examples(
+        [{"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}, {"input_ids": [4, 600, 5], "loss_mask": [0, 1, 1]}]
+    )
     with pytest.raises(ValueError, match=r"token id 600 .* outside the target's vocabulary 0..511"):
         check_token_ids(bad, 512, cfg)
 

@@ -55,23 +55,26 @@ def test_free_form_arch_dict_accepts_target_fields():
     assert cfg.target.arch["num_hidden_layers"] == 3 and cfg.target.arch["vocab_size"] == 512
 
 
-@pytest.mark.parametrize("override, message", [
-    ("train.steps=abc", r"train.steps='abc': expected int or null"),
-    ("train.steps=0", r"train.steps=0: must be >= 1"),
-    ("train.steps=-5", r"train.steps=-5: must be >= 1"),
-    ("train.lr=-1", r"train.lr=-1: must be > 0"),
-    ("train.lr=0", r"train.lr=0: must be > 0"),
-    ("block_size=2.5", r"block_size=2.5: expected int"),
-    ("train.batch_size=0", r"train.batch_size=0: must be >= 1"),
-    ("num_anchors=0", r"num_anchors=0: must be >= 1"),
-    ("checkpoint.every_steps=0", r"checkpoint.every_steps=0: must be >= 1"),
-    ("block_size=100000", r"block_size=100000 exceeds train.max_len=64"),
-    ("data.source=regenrate", r"data.source='regenrate': no such file.*did you mean regenerate"),
-    ("drafter.n_features=3", r"target_layer_ids=\[0, 2\] has 2 layers but drafter.n_features=3"),
-    ("log.tensorboard=maybe", r"log.tensorboard='maybe': expected bool"),
-    ("train.warmup_ratio=1.5", r"train.warmup_ratio=1.5: must be <= 1.0"),
-    ("distill_weight=-0.1", r"distill_weight=-0.1: must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("train.steps=abc", r"train.steps='abc': expected int or null"),
+        ("train.steps=0", r"train.steps=0: must be >= 1"),
+        ("train.steps=-5", r"train.steps=-5: must be >= 1"),
+        ("train.lr=-1", r"train.lr=-1: must be > 0"),
+        ("train.lr=0", r"train.lr=0: must be > 0"),
+        ("block_size=2.5", r"block_size=2.5: expected int"),
+        ("train.batch_size=0", r"train.batch_size=0: must be >= 1"),
+        ("num_anchors=0", r"num_anchors=0: must be >= 1"),
+        ("checkpoint.every_steps=0", r"checkpoint.every_steps=0: must be >= 1"),
+        ("block_size=100000", r"block_size=100000 exceeds train.max_len=64"),
+        ("data.source=regenrate", r"data.source='regenrate': no such file.*did you mean regenerate"),
+        ("drafter.n_features=3", r"target_layer_ids=\[0, 2\] has 2 layers but drafter.n_features=3"),
+        ("log.tensorboard=maybe", r"log.tensorboard='maybe': expected bool"),
+        ("train.warmup_ratio=1.5", r"train.warmup_ratio=1.5: must be <= 1.0"),
+        ("distill_weight=-0.1", r"distill_weight=-0.1: must be >= 0"),
+    ],
+)
 def test_bad_values_are_refused_naming_the_key(override, message):
     """Each override is checked against its key's type in base.yml and a documented range before anything runs
     (these once trained garbage, crashed mid-run, or tried to allocate terabytes)."""

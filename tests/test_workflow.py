@@ -37,10 +37,19 @@ def test_run_ends_with_an_eval_of_the_exported_drafter(tmp_path):
 
     rng = np.random.default_rng(0)
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt_ids": rng.integers(0, 500, 12).tolist()}) + "\n"
-                               for i in range(3)))
-    args = ["--config", "tiny", f"run_dir={tmp_path / 'run'}", "train.steps=6", "eval.enabled=true",
-            f"eval.prompts={prompts}", "eval.max_new_tokens=12", "eval.num_prompts=2"]
+    prompts.write_text(
+        "".join(json.dumps({"id": f"p{i}", "prompt_ids": rng.integers(0, 500, 12).tolist()}) + "\n" for i in range(3))
+    )
+    args = [
+        "--config",
+        "tiny",
+        f"run_dir={tmp_path / 'run'}",
+        "train.steps=6",
+        "eval.enabled=true",
+        f"eval.prompts={prompts}",
+        "eval.max_new_tokens=12",
+        "eval.num_prompts=2",
+    ]
     summary = main(args)
     rep = json.loads((tmp_path / "run" / "eval" / "eval.json").read_text())
     assert rep["trained_steps"] == 6 and rep["num_prompts"] == 2 and rep["drafter"].endswith("export")
@@ -69,8 +78,13 @@ def test_a_cached_eval_is_reused_only_for_the_same_settings(tmp_path):
     prior.write_text(json.dumps({"trained_steps": 30, "settings": eval_settings(cfg)}))
     assert _same_eval(prior, cfg, 30)
     assert not _same_eval(prior, cfg, 31)
-    for change in ("eval.max_new_tokens=64", "eval.num_prompts=3", "eval.block=4", "eval.prompts=gsm8k",
-                   "block_size=4"):
+    for change in (
+        "eval.max_new_tokens=64",
+        "eval.num_prompts=3",
+        "eval.block=4",
+        "eval.prompts=gsm8k",
+        "block_size=4",
+    ):
         assert not _same_eval(prior, load_config("tiny", ["eval.enabled=true", change]), 30), change
     prior.write_text('{"trained_steps": 30, "sett')
     assert not _same_eval(prior, cfg, 30)

@@ -126,21 +126,49 @@ def load_config(name_or_path: str | Path = "smollm2-135m", overrides: list[str] 
 
 # Keys whose default in base.yml is null, so the schema cannot give their type: (type, lower bound), None allowed.
 _NULLABLE = {
-    "gamma": (float, 0.0), "loss_positions": (int, 1), "draft_vocab": (int, 1), "train.steps": (int, 1),
-    "data.limit": (int, 1), "eval.block": (int, 2), "drafter.intermediate_size": (int, 1),
-    "drafter.sliding_window": (int, 1), "drafter.init_logit_std": (float, 0.0), "checkpoint.max_to_keep": (int, 2),
+    "gamma": (float, 0.0),
+    "loss_positions": (int, 1),
+    "draft_vocab": (int, 1),
+    "train.steps": (int, 1),
+    "data.limit": (int, 1),
+    "eval.block": (int, 2),
+    "drafter.intermediate_size": (int, 1),
+    "drafter.sliding_window": (int, 1),
+    "drafter.init_logit_std": (float, 0.0),
+    "checkpoint.max_to_keep": (int, 2),
     "debug.nan_at_step": (int, 1),
 }
 # Lower bounds of keys with a non-null default (their type is the default's): a count of zero or a negative
 # rate is a typo, and found here it costs nothing; found at step 1 (or never) it costs a run.
 _AT_LEAST = {
-    "block_size": 2, "num_anchors": 1, "ce_chunk": 1, "train.lr": 0.0, "train.batch_size": 1, "train.max_len": 2,
-    "train.epochs": 1, "train.warmup_ratio": 0.0, "train.final_lr_ratio": 0.0, "train.weight_decay": 0.0,
-    "train.grad_clip": 0.0, "checkpoint.every_steps": 1, "log.every": 1, "data.num_records": 1, "data.skip": 0,
-    "drafter.num_layers": 1, "drafter.n_features": 1, "eval.num_prompts": 1, "eval.max_new_tokens": 1,
-    "eval.max_prompt_tokens": 1, "eval.ngram_block": 2, "data.regenerate.limit": 1, "data.regenerate.heldout": 0,
-    "data.regenerate.max_new_tokens": 1, "data.regenerate.max_prompt_tokens": 1, "data.regenerate.batch_size": 1,
-    "debug.sleep_per_step": 0.0, "distill_weight": 0.0,
+    "block_size": 2,
+    "num_anchors": 1,
+    "ce_chunk": 1,
+    "train.lr": 0.0,
+    "train.batch_size": 1,
+    "train.max_len": 2,
+    "train.epochs": 1,
+    "train.warmup_ratio": 0.0,
+    "train.final_lr_ratio": 0.0,
+    "train.weight_decay": 0.0,
+    "train.grad_clip": 0.0,
+    "checkpoint.every_steps": 1,
+    "log.every": 1,
+    "data.num_records": 1,
+    "data.skip": 0,
+    "drafter.num_layers": 1,
+    "drafter.n_features": 1,
+    "eval.num_prompts": 1,
+    "eval.max_new_tokens": 1,
+    "eval.max_prompt_tokens": 1,
+    "eval.ngram_block": 2,
+    "data.regenerate.limit": 1,
+    "data.regenerate.heldout": 0,
+    "data.regenerate.max_new_tokens": 1,
+    "data.regenerate.max_prompt_tokens": 1,
+    "data.regenerate.batch_size": 1,
+    "debug.sleep_per_step": 0.0,
+    "distill_weight": 0.0,
 }
 _STRICTLY_POSITIVE = {"train.lr", "gamma"}
 _AT_MOST = {"train.warmup_ratio": 1.0, "train.final_lr_ratio": 1.0, "distill_weight": 1.0}
@@ -166,10 +194,15 @@ def _check_type(key: str, value, default) -> None:
     if value is None or default is None:
         return
     want = type(default)
-    ok = (isinstance(value, bool) if want is bool else
-          isinstance(value, int) and not isinstance(value, bool) if want is int else
-          isinstance(value, (int, float)) and not isinstance(value, bool) if want is float else
-          isinstance(value, want))
+    ok = (
+        isinstance(value, bool)
+        if want is bool
+        else isinstance(value, int) and not isinstance(value, bool)
+        if want is int
+        else isinstance(value, (int, float)) and not isinstance(value, bool)
+        if want is float
+        else isinstance(value, want)
+    )
     if not ok:
         raise ValueError(f"{key}={value!r}: expected {want.__name__} (as {key}={default!r} in configs/base.yml)")
 
@@ -177,8 +210,9 @@ def _check_type(key: str, value, default) -> None:
 def _check_range(key: str, value, kind=None, low=None) -> None:
     if value is None:
         return
-    if kind is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool)
-                                 and (kind is float or isinstance(value, int))):
+    if kind is not None and not (
+        isinstance(value, (int, float)) and not isinstance(value, bool) and (kind is float or isinstance(value, int))
+    ):
         raise ValueError(f"{key}={value!r}: expected {kind.__name__} or null")
     if low is not None and (value <= low if key in _STRICTLY_POSITIVE else value < low):
         raise ValueError(f"{key}={value!r}: must be {'>' if key in _STRICTLY_POSITIVE else '>='} {low}")
@@ -198,26 +232,39 @@ def _validate(cfg: dict, schema: dict | None = None) -> None:
         _check_range(key, _get(cfg, key), kind, low)
     for key, low in _AT_LEAST.items():
         _check_range(key, _get(cfg, key), None, low)
-    choices = {("features", "mode"): ("online", "offline"), ("train", "schedule"): ("cosine", "constant"),
-               ("target", "dtype"): ("float32", "bfloat16"), ("export", "dtype"): ("float32", "bfloat16"),
-               ("train", "compute_dtype"): ("float32", "bfloat16"), ("data", "labels"): ("text", "target")}
+    choices = {
+        ("features", "mode"): ("online", "offline"),
+        ("train", "schedule"): ("cosine", "constant"),
+        ("target", "dtype"): ("float32", "bfloat16"),
+        ("export", "dtype"): ("float32", "bfloat16"),
+        ("train", "compute_dtype"): ("float32", "bfloat16"),
+        ("data", "labels"): ("text", "target"),
+    }
     for (a, b), allowed in choices.items():
         if cfg[a][b] not in allowed:
             raise ValueError(f"{a}.{b}={cfg[a][b]!r}: expected one of {allowed}")
     if cfg["block_size"] > cfg["train"]["max_len"]:
-        raise ValueError(f"block_size={cfg['block_size']} exceeds train.max_len={cfg['train']['max_len']}: "
-                         "a block must fit in a training row")
+        raise ValueError(
+            f"block_size={cfg['block_size']} exceeds train.max_len={cfg['train']['max_len']}: "
+            "a block must fit in a training row"
+        )
     source = str(cfg["data"]["source"])
-    if source not in DATA_SOURCES and not Path(source).expanduser().exists() and difflib.get_close_matches(
-            source, DATA_SOURCES, cutoff=0.6):
+    if (
+        source not in DATA_SOURCES
+        and not Path(source).expanduser().exists()
+        and difflib.get_close_matches(source, DATA_SOURCES, cutoff=0.6)
+    ):
         # A typo of a source name would otherwise be read as a file path. Other missing files are named by the
         # loader when the data is read (a preset may name a file that a first step of its recipe writes).
-        raise ValueError(f"data.source={source!r}: no such file, and not one of {DATA_SOURCES}"
-                         f"{_suggest(source, DATA_SOURCES)}")
+        raise ValueError(
+            f"data.source={source!r}: no such file, and not one of {DATA_SOURCES}{_suggest(source, DATA_SOURCES)}"
+        )
     d = cfg["drafter"]
     if d["target_layer_ids"] is not None and len(d["target_layer_ids"]) != d["n_features"]:
-        raise ValueError(f"drafter.target_layer_ids={list(d['target_layer_ids'])} has {len(d['target_layer_ids'])} "
-                         f"layers but drafter.n_features={d['n_features']}: set them to agree")
+        raise ValueError(
+            f"drafter.target_layer_ids={list(d['target_layer_ids'])} has {len(d['target_layer_ids'])} "
+            f"layers but drafter.n_features={d['n_features']}: set them to agree"
+        )
     if cfg["target"]["path"] is None and cfg["target"]["preset"] is None:
         raise ValueError("set target.path (real weights) or target.preset (random weights)")
 

@@ -19,7 +19,8 @@ def synthetic_record(index: int, *, seed: int, max_len: int, vocab_size: int, ma
     by noise, the first quarter a prompt outside the loss mask. A block's tokens follow from its first token,
     so a working drafter + objective must drive the loss well below log(V) within a few dozen steps."""
     cycles = np.random.default_rng(seed).choice(
-        [v for v in range(min(vocab_size, 4096)) if v != mask_token_id], size=(4, 12), replace=False)
+        [v for v in range(min(vocab_size, 4096)) if v != mask_token_id], size=(4, 12), replace=False
+    )
     rng = np.random.default_rng((seed, index))
     length = int(rng.integers(max_len // 2, max_len + 1))
     prompt = int(rng.integers(2, max(3, length // 4)))
@@ -54,8 +55,9 @@ def build_train_dataset(cfg, *, vocab_size: int, mask_token_id: int, tokenizer=N
     if cfg.data.source != "synthetic":
         return _conversation_batches(cfg, tokenizer, per_host_batch)
     base = grain.MapDataset.range(int(cfg.data.num_records)).map(
-        lambda i: synthetic_record(int(i), seed=int(cfg.seed), max_len=int(t.max_len), vocab_size=vocab_size,
-                                   mask_token_id=mask_token_id)
+        lambda i: synthetic_record(
+            int(i), seed=int(cfg.seed), max_len=int(t.max_len), vocab_size=vocab_size, mask_token_id=mask_token_id
+        )
     )
     per_epoch = len(base) // int(t.batch_size)
     if per_epoch == 0:
@@ -66,7 +68,7 @@ def build_train_dataset(cfg, *, vocab_size: int, mask_token_id: int, tokenizer=N
         .shuffle()
         .random_map(_with_anchors(int(cfg.num_anchors), int(cfg.block_size)))
     )
-    ds = ds[jax.process_index():: jax.process_count()]
+    ds = ds[jax.process_index() :: jax.process_count()]
     ds = ds.batch(per_host_batch, drop_remainder=True)
     return ds.to_iter_dataset(), per_epoch, base
 
@@ -79,10 +81,18 @@ def _conversation_batches(cfg, tokenizer, per_host_batch: int):
     if tokenizer is None:
         raise ValueError("a conversation data source needs a tokenizer (data.tokenizer or a GGUF/HF target)")
     limit = None if cfg.data.limit is None else int(cfg.data.limit)
-    records = pipeline.load_tokenized(cfg.data.source, tokenizer, int(cfg.train.max_len), limit=limit,
-                                      skip=int(cfg.data.skip))
+    records = pipeline.load_tokenized(
+        cfg.data.source, tokenizer, int(cfg.train.max_len), limit=limit, skip=int(cfg.data.skip)
+    )
     per_epoch = (len(records) // jax.process_count()) // per_host_batch
-    ds = pipeline.build_dataset(records, tokenizer, int(cfg.train.max_len), per_host_batch, int(cfg.seed),
-                                num_epochs=int(cfg.train.epochs), num_anchors=int(cfg.num_anchors),
-                                block_size=int(cfg.block_size))
+    ds = pipeline.build_dataset(
+        records,
+        tokenizer,
+        int(cfg.train.max_len),
+        per_host_batch,
+        int(cfg.seed),
+        num_epochs=int(cfg.train.epochs),
+        num_anchors=int(cfg.num_anchors),
+        block_size=int(cfg.block_size),
+    )
     return ds, per_epoch, records

@@ -51,11 +51,16 @@ def records_digest(records) -> str:
 def _meta(trainer, records) -> dict:
     cfg = trainer.cfg
     num_records = len(records)
-    return {"tokens_sha256": records_digest(records),
-        "target": str(cfg.target.path or cfg.target.preset), "target_arch": dict(cfg.target.arch),
-        "dtype": trainer.target_cfg.dtype, "layer_ids": list(trainer.drafter_cfg.target_layer_ids),
-        "max_len": int(cfg.train.max_len), "num_records": num_records,
-        "seed": int(cfg.seed), "hidden_size": trainer.target_cfg.hidden_size,
+    return {
+        "tokens_sha256": records_digest(records),
+        "target": str(cfg.target.path or cfg.target.preset),
+        "target_arch": dict(cfg.target.arch),
+        "dtype": trainer.target_cfg.dtype,
+        "layer_ids": list(trainer.drafter_cfg.target_layer_ids),
+        "max_len": int(cfg.train.max_len),
+        "num_records": num_records,
+        "seed": int(cfg.seed),
+        "hidden_size": trainer.target_cfg.hidden_size,
         "labels": str(cfg.data.labels),
     }
 
@@ -88,8 +93,9 @@ def _build(trainer, records, root: Path, meta: dict, chunk: int, *, write: bool)
         if root.exists():
             shutil.rmtree(root)
         root.mkdir(parents=True)
-        out = np.lib.format.open_memmap(root / "features.npy", mode="w+", dtype=np.uint16 if bf16 else np.float32,
-                                        shape=(n, t, f))
+        out = np.lib.format.open_memmap(
+            root / "features.npy", mode="w+", dtype=np.uint16 if bf16 else np.float32, shape=(n, t, f)
+        )
         if with_labels:
             labels_out = np.lib.format.open_memmap(root / "labels.npy", mode="w+", dtype=np.int32, shape=(n, t))
         log.info("precomputing target features for %d records into %s (%.1f GB)", n, root, out.nbytes / 1e9)
@@ -97,6 +103,7 @@ def _build(trainer, records, root: Path, meta: dict, chunk: int, *, write: bool)
     # Token ids in and features out replicated over the trainer's mesh: the target may be sharded across
     # processes, and every process then holds the whole chunk of features (process 0 writes it).
     replicated = NamedSharding(trainer.mesh, PartitionSpec())
+
     def features_and_labels(s, ids):
         out = forward(nnx.merge(t_graph, s), ids, layer_ids=layer_ids, compute_logits=with_labels)
         return out.features, (target_labels(ids, out.logits) if with_labels else ids)
@@ -106,8 +113,13 @@ def _build(trainer, records, root: Path, meta: dict, chunk: int, *, write: bool)
     for lo in range(0, n, chunk):
         if write and time.perf_counter() - last_log > 60:
             done, secs = lo, time.perf_counter() - t0
-            log.info("features: %d/%d records, %.1f records/s, eta %.1f min", done, n, done / secs,
-                     (n - done) / max(done / secs, 1e-9) / 60)
+            log.info(
+                "features: %d/%d records, %.1f records/s, eta %.1f min",
+                done,
+                n,
+                done / secs,
+                (n - done) / max(done / secs, 1e-9) / 60,
+            )
             last_log = time.perf_counter()
         rows = [records[i] for i in range(lo, min(lo + chunk, n))]
         ids = np.zeros((chunk, t), np.int32)  # a fixed chunk shape: one compilation
@@ -117,9 +129,9 @@ def _build(trainer, records, root: Path, meta: dict, chunk: int, *, write: bool)
         feats, labels = fn(trainer.t_state, jax.make_array_from_process_local_data(replicated, ids))
         if out is not None:
             feats = np.asarray(feats.addressable_data(0))[: len(rows)]
-            out[lo: lo + len(rows)] = feats.view(np.uint16) if bf16 else feats
+            out[lo : lo + len(rows)] = feats.view(np.uint16) if bf16 else feats
             if labels_out is not None:
-                labels_out[lo: lo + len(rows)] = np.asarray(labels.addressable_data(0))[: len(rows)]
+                labels_out[lo : lo + len(rows)] = np.asarray(labels.addressable_data(0))[: len(rows)]
     if out is not None:
         out.flush()
         del out

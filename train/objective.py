@@ -80,8 +80,9 @@ def restrict_vocab(labels, valid, vocab_ids_N, vocab_size: int):
     return jnp.maximum(sub, 0), valid & (sub >= 0)
 
 
-def chunked_cross_entropy(target_model, hidden_MD, labels_M, chunk: int, teacher_MD=None, soft_weight: float = 0.0,
-                          vocab_ids_N=None):
+def chunked_cross_entropy(
+    target_model, hidden_MD, labels_M, chunk: int, teacher_MD=None, soft_weight: float = 0.0, vocab_ids_N=None
+):
     """Per-row cross-entropy and argmax-correctness through the target's (frozen) lm_head, `chunk` rows at a time.
 
     The label of a row is the one-hot of `labels_M`, or with `teacher_MD` (the target's own final-normed hidden
@@ -131,8 +132,11 @@ def _ce_chunk(h_CD, y_C, t_CD, w_DV, soft_weight: float, with_grad: bool):
     if not with_grad:
         return nll, correct
     p = jnp.exp(logits - lse[:, None]) - label
-    return nll, correct, jnp.einsum("CV,DV->CD", p.astype(w_DV.dtype), w_DV, preferred_element_type=jnp.float32
-                                    ).astype(h_CD.dtype)
+    return (
+        nll,
+        correct,
+        jnp.einsum("CV,DV->CD", p.astype(w_DV.dtype), w_DV, preferred_element_type=jnp.float32).astype(h_CD.dtype),
+    )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -141,8 +145,9 @@ def _fused_ce(h_chunks, y_chunks, t_chunks, w_DV, soft_weight):
 
 
 def _fused_ce_fwd(h_chunks, y_chunks, t_chunks, w_DV, soft_weight):
-    nll, correct, dh = jax.lax.map(lambda a: _ce_chunk(*a, w_DV, soft_weight, with_grad=True),
-                                   (h_chunks, y_chunks, t_chunks))
+    nll, correct, dh = jax.lax.map(
+        lambda a: _ce_chunk(*a, w_DV, soft_weight, with_grad=True), (h_chunks, y_chunks, t_chunks)
+    )
     return (nll, correct), (dh,)
 
 
@@ -156,9 +161,24 @@ def _fused_ce_bwd(soft_weight, res, cotangents):
 _fused_ce.defvjp(_fused_ce_fwd, _fused_ce_bwd)
 
 
-def dflash_loss(drafter, target_model, features_BTF, tokens_BT, loss_mask_BT, anchors_BN, *, block_size: int,
-                gamma: float, ce_chunk: int = 1024, loss_positions: int | None = None, teacher_BTD=None,
-                soft_weight: float = 0.0, labels_BT=None, vocab_ids_N=None, compute_dtype=None):
+def dflash_loss(
+    drafter,
+    target_model,
+    features_BTF,
+    tokens_BT,
+    loss_mask_BT,
+    anchors_BN,
+    *,
+    block_size: int,
+    gamma: float,
+    ce_chunk: int = 1024,
+    loss_positions: int | None = None,
+    teacher_BTD=None,
+    soft_weight: float = 0.0,
+    labels_BT=None,
+    vocab_ids_N=None,
+    compute_dtype=None,
+):
     """Weighted CE of all anchor blocks, normalised by the weight sum; returns (loss, metrics).
 
     `loss_positions` P < K-1 trains only block slots 1..P: the drafter still runs the whole K-wide block (every
@@ -178,8 +198,16 @@ def dflash_loss(drafter, target_model, features_BTF, tokens_BT, loss_mask_BT, an
     1 + sum_k prod_{j<=k} acc_j (expected committed tokens per round if positions were independent and a
     round stopped at the first miss; the 1 is the bonus token), `valid_labels`.
     """
-    hidden = train_logits(drafter, target_model, features_BTF, tokens_BT, anchors_BN, block_size, hidden_only=True,
-                          compute_dtype=compute_dtype)
+    hidden = train_logits(
+        drafter,
+        target_model,
+        features_BTF,
+        tokens_BT,
+        anchors_BN,
+        block_size,
+        hidden_only=True,
+        compute_dtype=compute_dtype,
+    )
     labels, valid = block_labels(tokens_BT if labels_BT is None else labels_BT, loss_mask_BT, anchors_BN, block_size)
     if labels_BT is not None:
         valid = valid & on_greedy_path(tokens_BT, labels_BT, anchors_BN, block_size)
@@ -194,8 +222,9 @@ def dflash_loss(drafter, target_model, features_BTF, tokens_BT, loss_mask_BT, an
         teacher = jnp.take_along_axis(teacher_BTD, idx.reshape(idx.shape[0], -1)[..., None], axis=1).reshape(-1, d)
     if vocab_ids_N is not None:
         labels, valid = restrict_vocab(labels, valid, vocab_ids_N, config_of(target_model).vocab_size)
-    nll, correct = chunked_cross_entropy(target_model, hidden.reshape(-1, d), labels.reshape(-1), ce_chunk,
-                                         teacher, soft_weight, vocab_ids_N)
+    nll, correct = chunked_cross_entropy(
+        target_model, hidden.reshape(-1, d), labels.reshape(-1), ce_chunk, teacher, soft_weight, vocab_ids_N
+    )
     nll, correct = nll.reshape(labels.shape), correct.reshape(labels.shape)
     w = position_weights(block_size, gamma)[:slots] * valid
     loss = jnp.sum(w * nll) / jnp.maximum(jnp.sum(w), 1e-9)

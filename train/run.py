@@ -64,8 +64,10 @@ def main(argv: list[str] | None = None) -> dict:
     target = tokenizer = heldout = None
     if cfg.data.source == "regenerate":
         if jax.process_count() > 1:  # every process would append to the same JSONL
-            raise ValueError("data.source=regenerate runs in one process: regenerate first (python -m "
-                             "data.regenerate, or this config on one host), then give the JSONL as data.source")
+            raise ValueError(
+                "data.source=regenerate runs in one process: regenerate first (python -m "
+                "data.regenerate, or this config on one host), then give the JSONL as data.source"
+            )
         from dflash_model.tokenizer import load_tokenizer
 
         r = cfg.data.regenerate
@@ -86,12 +88,22 @@ def main(argv: list[str] | None = None) -> dict:
         atomic_write_text(Path(cfg.run_dir, "config.yml"), cfg.dump())
     left = trainer.total_steps - trainer.step
     what = cfg.target.path or f"random {cfg.target.preset}" + (" (arch overrides)" if cfg.target.arch else "")
-    log.info("will train a %d-layer K=%d drafter (gamma %.2f) on %s for %d more steps (%s), %d anchors/seq, "
-             "batch %d x %d tokens; first step compiles (seconds for tiny, minutes for 4B+ targets); "
-             "checkpoints every %d steps in %s", trainer.drafter_cfg.num_hidden_layers, trainer.block_size,
-             trainer.gamma, what, left,
-             f"resuming from step {trainer.step}" if trainer.step else "fresh start", cfg.num_anchors,
-             cfg.train.batch_size, cfg.train.max_len, cfg.checkpoint.every_steps, trainer.ckpt_dir)
+    log.info(
+        "will train a %d-layer K=%d drafter (gamma %.2f) on %s for %d more steps (%s), %d anchors/seq, "
+        "batch %d x %d tokens; first step compiles (seconds for tiny, minutes for 4B+ targets); "
+        "checkpoints every %d steps in %s",
+        trainer.drafter_cfg.num_hidden_layers,
+        trainer.block_size,
+        trainer.gamma,
+        what,
+        left,
+        f"resuming from step {trainer.step}" if trainer.step else "fresh start",
+        cfg.num_anchors,
+        cfg.train.batch_size,
+        cfg.train.max_len,
+        cfg.checkpoint.every_steps,
+        trainer.ckpt_dir,
+    )
     summary = trainer.train()
     log.info("done: %s", summary)
 
@@ -108,6 +120,9 @@ STOPPED_EXIT = 75  # EX_TEMPFAIL: "try again later"
 if __name__ == "__main__":
     summary = main()
     if summary.get("stopped_by"):
-        print(f"stopped by {summary['stopped_by']} at step {summary['step']} after checkpointing it; run the same "
-              f"command again to resume (exit {STOPPED_EXIT})", file=sys.stderr)
+        print(
+            f"stopped by {summary['stopped_by']} at step {summary['step']} after checkpointing it; run the same "
+            f"command again to resume (exit {STOPPED_EXIT})",
+            file=sys.stderr,
+        )
         sys.exit(STOPPED_EXIT)

@@ -80,16 +80,22 @@ def drafter_config(cfg, target_cfg):
         if d.mask_token_id is None:
             raise ValueError("drafter.mask_token_id is required when drafter.preset is null")
         ids = tuple(d.target_layer_ids) if d.target_layer_ids is not None else None
-        dcfg = drafter_config_for(target_cfg, mask_token_id=int(d.mask_token_id), num_layers=int(d.num_layers),
-                                  n_features=int(d.n_features), intermediate_size=d.intermediate_size,
-                                  target_layer_ids=ids)
+        dcfg = drafter_config_for(
+            target_cfg,
+            mask_token_id=int(d.mask_token_id),
+            num_layers=int(d.num_layers),
+            n_features=int(d.n_features),
+            intermediate_size=d.intermediate_size,
+            target_layer_ids=ids,
+        )
     if d.layer_types is not None:
         # DrafterConfig checks the names and that there is one per layer, naming the key.
         window = int(d.sliding_window) if d.sliding_window is not None else None
         dcfg = dcfg.replace(layer_types=tuple(d.layer_types), sliding_window=window)
     elif d.sliding_window is not None:
-        raise ValueError(f"drafter.sliding_window={d.sliding_window} needs drafter.layer_types with a "
-                         "sliding_attention layer")
+        raise ValueError(
+            f"drafter.sliding_window={d.sliding_window} needs drafter.layer_types with a sliding_attention layer"
+        )
     # AdamW on bf16 weights loses small updates; the drafter trains in fp32 and is cast at export.
     dcfg = dcfg.replace(block_size=int(cfg.block_size), dtype="float32")
     check_pairing(dcfg, target_cfg, source=f"drafter ({d.preset or 'from config'})")
@@ -107,10 +113,14 @@ def init_weights(drafter, dcfg, init_dir, target_cfg) -> None:
     icfg, loaded = load_drafter(init_dir, target_cfg, dtype="float32")
     icfg = icfg.replace(block_size=dcfg.block_size)
     if icfg != dcfg:
-        diff = {f.name: (getattr(icfg, f.name), getattr(dcfg, f.name)) for f in dataclasses.fields(dcfg)
-                if getattr(icfg, f.name) != getattr(dcfg, f.name)}
-        raise ValueError(f"drafter.init={init_dir}: its architecture differs from the config's "
-                         f"(field: (checkpoint, config)): {diff}")
+        diff = {
+            f.name: (getattr(icfg, f.name), getattr(dcfg, f.name))
+            for f in dataclasses.fields(dcfg)
+            if getattr(icfg, f.name) != getattr(dcfg, f.name)
+        }
+        raise ValueError(
+            f"drafter.init={init_dir}: its architecture differs from the config's (field: (checkpoint, config)): {diff}"
+        )
     nnx.update(drafter, nnx.state(loaded, nnx.Param))
 
 
@@ -122,9 +132,11 @@ def check_token_ids(records, vocab_size: int, cfg) -> None:
         return  # synthetic records draw their ids below vocab_size
     top = int(np.max(arrays[0]))
     if top >= vocab_size or int(np.min(arrays[0])) < 0:
-        raise ValueError(f"data.source={cfg.data.source}: token id {top} from tokenizer "
-                         f"{cfg.data.tokenizer or cfg.target.path} is outside the target's vocabulary "
-                         f"0..{vocab_size - 1}; the tokenizer does not belong to this target")
+        raise ValueError(
+            f"data.source={cfg.data.source}: token id {top} from tokenizer "
+            f"{cfg.data.tokenizer or cfg.target.path} is outside the target's vocabulary "
+            f"0..{vocab_size - 1}; the tokenizer does not belong to this target"
+        )
 
 
 def make_optimizer(t, total_steps: int):
@@ -133,11 +145,17 @@ def make_optimizer(t, total_steps: int):
     t = Config(t)
     warmup = int(round(float(t.warmup_ratio) * total_steps))
     if t.schedule == "cosine":
-        sched = optax.warmup_cosine_decay_schedule(0.0, float(t.lr), max(warmup, 1) if warmup else 0,
-                                                   max(total_steps, warmup + 1), float(t.lr) * float(t.final_lr_ratio))
+        sched = optax.warmup_cosine_decay_schedule(
+            0.0,
+            float(t.lr),
+            max(warmup, 1) if warmup else 0,
+            max(total_steps, warmup + 1),
+            float(t.lr) * float(t.final_lr_ratio),
+        )
     else:
-        sched = optax.join_schedules([optax.linear_schedule(0.0, float(t.lr), max(warmup, 1)),
-                                      optax.constant_schedule(float(t.lr))], [warmup])
+        sched = optax.join_schedules(
+            [optax.linear_schedule(0.0, float(t.lr), max(warmup, 1)), optax.constant_schedule(float(t.lr))], [warmup]
+        )
     decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
     tx = optax.chain(
         optax.clip_by_global_norm(float(t.grad_clip)),
@@ -215,8 +233,11 @@ class Program:
         # Tunix's graph holds its unhashable ModelConfig; the graphs' reprs identify the structure instead.
         if "_k" not in self.__dict__:
             graphs = (repr(self.d_graph), repr(self.t_graph))
-            rest = tuple(getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in
-                         ("d_graph", "t_graph", "state_shardings"))
+            rest = tuple(
+                getattr(self, f.name)
+                for f in dataclasses.fields(self)
+                if f.name not in ("d_graph", "t_graph", "state_shardings")
+            )
             object.__setattr__(self, "_k", (graphs, rest))
         return self.__dict__["_k"]
 
@@ -240,8 +261,7 @@ def _loss(prog: Program, params, t_state, batch, step, nan_at, vocab_ids=None):
         # With distillation the forward also keeps the last layer: final-normed, it is the hidden state the
         # target's own next-token distribution comes from (the teacher), at no cost beyond this forward.
         last = (config_of(target).num_hidden_layers - 1,) if prog.distill_weight else ()
-        out = forward(target, batch["input_ids"], layer_ids=(*prog.layer_ids, *last),
-                      compute_logits=prog.target_labels)
+        out = forward(target, batch["input_ids"], layer_ids=(*prog.layer_ids, *last), compute_logits=prog.target_labels)
         features = out.features
         if prog.target_labels:
             labels = target_labels(batch["input_ids"], out.logits)
@@ -250,12 +270,23 @@ def _loss(prog: Program, params, t_state, batch, step, nan_at, vocab_ids=None):
             features, teacher = features[..., :-d], final_norm(target, features[..., -d:])
     if prog.zero_features:
         features = jnp.zeros_like(features)
-    loss, metrics = dflash_loss(drafter, target, jax.lax.stop_gradient(features), batch["input_ids"],
-                                batch["loss_mask"], batch["anchors"], block_size=prog.block_size, gamma=prog.gamma,
-                                ce_chunk=prog.ce_chunk, loss_positions=prog.loss_positions,
-                                teacher_BTD=teacher, soft_weight=prog.distill_weight,
-                                labels_BT=jax.lax.stop_gradient(labels) if labels is not None else None,
-                                vocab_ids_N=vocab_ids, compute_dtype=jnp.dtype(prog.compute_dtype))
+    loss, metrics = dflash_loss(
+        drafter,
+        target,
+        jax.lax.stop_gradient(features),
+        batch["input_ids"],
+        batch["loss_mask"],
+        batch["anchors"],
+        block_size=prog.block_size,
+        gamma=prog.gamma,
+        ce_chunk=prog.ce_chunk,
+        loss_positions=prog.loss_positions,
+        teacher_BTD=teacher,
+        soft_weight=prog.distill_weight,
+        labels_BT=jax.lax.stop_gradient(labels) if labels is not None else None,
+        vocab_ids_N=vocab_ids,
+        compute_dtype=jnp.dtype(prog.compute_dtype),
+    )
     # debug.nan_at_step as a runtime value (-1 = off), so the knob does not change the compiled program.
     loss = jnp.where(step + 1 == nan_at, jnp.nan, loss)
     return loss, {**metrics, "loss": loss}
@@ -271,13 +302,21 @@ def train_step(state, t_state, batch, nan_at, vocab_ids=None, *, prog: Program):
     # A non-finite step changes nothing: the host stops the run and both the in-memory state and the
     # checkpoints stay the last good ones.
     ok = jnp.isfinite(loss)
-    new = {"params": _tree_where(ok, params, state["params"]), "opt": _tree_where(ok, opt, state["opt"]),
-           "step": state["step"] + ok.astype(jnp.int32)}
+    new = {
+        "params": _tree_where(ok, params, state["params"]),
+        "opt": _tree_where(ok, opt, state["opt"]),
+        "step": state["step"] + ok.astype(jnp.int32),
+    }
     # Outputs pinned to the input layout: the next call sees identical avals and does not recompile.
     new = jax.lax.with_sharding_constraint(new, prog.state_shardings)
     # Counted here, on the global batch: a process's host batch is only its share under jax.distributed.
-    metrics = {**metrics, "grad_norm": optax.global_norm(grads), "lr": schedule(state["step"]),
-               "tokens": jnp.sum(batch["lengths"]), "anchors": jnp.sum(batch["anchors"] >= 0)}
+    metrics = {
+        **metrics,
+        "grad_norm": optax.global_norm(grads),
+        "lr": schedule(state["step"]),
+        "tokens": jnp.sum(batch["lengths"]),
+        "anchors": jnp.sum(batch["anchors"] >= 0),
+    }
     return new, metrics
 
 
@@ -313,15 +352,18 @@ class Trainer:
         if not 0.0 <= self.distill_weight <= 1.0:
             raise ValueError(f"distill_weight={self.distill_weight}: must be in [0, 1]")
         if self.distill_weight and cfg.features.mode != "online":
-            raise ValueError(f"distill_weight={self.distill_weight} needs features.mode=online (the teacher is the "
-                             f"target's last layer, computed in the step), not {cfg.features.mode!r}")
+            raise ValueError(
+                f"distill_weight={self.distill_weight} needs features.mode=online (the teacher is the "
+                f"target's last layer, computed in the step), not {cfg.features.mode!r}"
+            )
 
         shd.shard_model(self.target, self.mesh)
         drafter = build_drafter(self.drafter_cfg, seed=int(cfg.seed))
         if cfg.drafter.init is not None:
             if cfg.drafter.init_logit_std is not None:
-                raise ValueError("drafter.init and drafter.init_logit_std both set: a loaded drafter keeps its own "
-                                 "output norm")
+                raise ValueError(
+                    "drafter.init and drafter.init_logit_std both set: a loaded drafter keeps its own output norm"
+                )
             init_weights(drafter, self.drafter_cfg, cfg.drafter.init, self.target_cfg)
         elif cfg.drafter.init_logit_std is not None:
             drafter = scale_output_norm(drafter, self.target, float(cfg.drafter.init_logit_std))
@@ -331,23 +373,29 @@ class Trainer:
 
         tokenizer = None
         if cfg.data.source == "regenerate":
-            raise ValueError("data.source=regenerate is resolved by train/run.py (train.workflow.prepare_regenerated "
-                             "writes the JSONL); give the Trainer that JSONL's path as data.source")
+            raise ValueError(
+                "data.source=regenerate is resolved by train/run.py (train.workflow.prepare_regenerated "
+                "writes the JSONL); give the Trainer that JSONL's path as data.source"
+            )
         if cfg.data.source != "synthetic":
             from dflash_model.tokenizer import load_tokenizer
 
             tokenizer = load_tokenizer(cfg.data.tokenizer or self.tokenizer_path)
         self.dataset, self.batches_per_epoch, records = build_train_dataset(
-            cfg, vocab_size=self.target_cfg.vocab_size, mask_token_id=self.drafter_cfg.mask_token_id,
-            tokenizer=tokenizer)
+            cfg,
+            vocab_size=self.target_cfg.vocab_size,
+            mask_token_id=self.drafter_cfg.mask_token_id,
+            tokenizer=tokenizer,
+        )
         check_token_ids(records, self.target_cfg.vocab_size, cfg)
         self.target_labels = cfg.data.labels == "target"
         self.features = self.labels = None
         if cfg.features.mode == "offline":
             from train.features import open_or_build
 
-            self.features, self.labels = open_or_build(self, records,
-                                                       chunk=int(cfg.train.batch_size) // jax.process_count())
+            self.features, self.labels = open_or_build(
+                self, records, chunk=int(cfg.train.batch_size) // jax.process_count()
+            )
         self.vocab_ids = None
         if cfg.draft_vocab is not None:
             ids = draft_vocabulary(records, self.target_cfg.vocab_size, int(cfg.draft_vocab))
@@ -355,8 +403,10 @@ class Trainer:
         epoch_steps = self.batches_per_epoch * int(cfg.train.epochs)
         self.total_steps = int(cfg.train.steps) if cfg.train.steps is not None else epoch_steps
         if self.total_steps > epoch_steps:
-            raise ValueError(f"train.steps={self.total_steps} exceeds the {epoch_steps} batches of "
-                             f"train.epochs={cfg.train.epochs}; raise epochs or data.num_records")
+            raise ValueError(
+                f"train.steps={self.total_steps} exceeds the {epoch_steps} batches of "
+                f"train.epochs={cfg.train.epochs}; raise epochs or data.num_records"
+            )
         self.tx, self.schedule = make_optimizer(cfg.train, self.total_steps)
         # tx.init may hand back one buffer for several equal leaves (the step counts); donation needs them distinct.
         opt = jax.tree.map(lambda x: jnp.array(x, copy=True), jax.jit(self.tx.init)(params))
@@ -367,9 +417,11 @@ class Trainer:
         ck = cfg.checkpoint
         self.ckpt_dir = Path(ck.dir) if ck.dir is not None else self.run_dir / "checkpoints"
         self.ckpt = ocp.CheckpointManager(
-            self.ckpt_dir.resolve(), item_names=("state", "data", "meta"),
+            self.ckpt_dir.resolve(),
+            item_names=("state", "data", "meta"),
             options=ocp.CheckpointManagerOptions(
-                max_to_keep=ck.max_to_keep, enable_async_checkpointing=bool(ck["async"]), create=True),
+                max_to_keep=ck.max_to_keep, enable_async_checkpointing=bool(ck["async"]), create=True
+            ),
         )
         self.restored_step = self.restore() if restore else None
         self.metrics_path = self.run_dir / "metrics.jsonl"
@@ -409,14 +461,21 @@ class Trainer:
         try:
             for step in sorted(self.ckpt.all_steps(), reverse=True):
                 try:
-                    got = self.ckpt.restore(step, args=ocp.args.Composite(
-                        state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore(),
-                        meta=ocp.args.JsonRestore()))
+                    got = self.ckpt.restore(
+                        step,
+                        args=ocp.args.Composite(
+                            state=ocp.args.StandardRestore(abstract),
+                            data=ocp.args.JsonRestore(),
+                            meta=ocp.args.JsonRestore(),
+                        ),
+                    )
                     if int(got.state["step"]) != step:
                         raise ValueError(f"holds step {int(got.state['step'])}")
                 except Exception as e:  # noqa: BLE001 - any unreadable checkpoint means: try the previous one
-                    msg = f"checkpoint step {step} in {self.ckpt_dir} is unreadable ({type(e).__name__}: {e}); " \
-                          "falling back to the previous checkpoint"
+                    msg = (
+                        f"checkpoint step {step} in {self.ckpt_dir} is unreadable ({type(e).__name__}: {e}); "
+                        "falling back to the previous checkpoint"
+                    )
                     warnings.warn(msg, stacklevel=2)
                     log.warning(msg)
                     damaged.append(step)
@@ -447,8 +506,12 @@ class Trainer:
     def _meta(self) -> dict:
         """What a checkpoint must agree on to be resumed: the objective and the drafter architecture."""
         arch = self.drafter_cfg.to_zlab_config()
-        return {"block_size": self.block_size, "gamma": self.gamma, "total_steps": self.total_steps,
-                "drafter": {k: v for k, v in arch.items() if k not in ("block_size", "torch_dtype", "dtype")}}
+        return {
+            "block_size": self.block_size,
+            "gamma": self.gamma,
+            "total_steps": self.total_steps,
+            "drafter": {k: v for k, v in arch.items() if k not in ("block_size", "torch_dtype", "dtype")},
+        }
 
     def _check_newest_meta(self) -> None:
         for step in sorted(self.ckpt.all_steps(), reverse=True):
@@ -465,34 +528,58 @@ class Trainer:
         name, and so is a changed drafter (its parameter shapes would not load). A changed train.steps resumes,
         saying what it does to the learning-rate schedule."""
         mine = self._meta()
-        diff = {k: (meta.get(k), mine[k]) for k in ("block_size", "gamma")
-                if k in meta and not math.isclose(float(meta[k]), mine[k])}
+        diff = {
+            k: (meta.get(k), mine[k])
+            for k in ("block_size", "gamma")
+            if k in meta and not math.isclose(float(meta[k]), mine[k])
+        }
         old_arch = meta.get("drafter")
         if old_arch is not None:
             old_arch = json.loads(json.dumps(old_arch))
             new_arch = json.loads(json.dumps(mine["drafter"]))
-            diff.update({f"drafter {k}": (old_arch.get(k), new_arch.get(k))
-                         for k in sorted(set(old_arch) | set(new_arch)) if old_arch.get(k) != new_arch.get(k)})
+            diff.update(
+                {
+                    f"drafter {k}": (old_arch.get(k), new_arch.get(k))
+                    for k in sorted(set(old_arch) | set(new_arch))
+                    if old_arch.get(k) != new_arch.get(k)
+                }
+            )
         if diff:
             said = "; ".join(f"{k}={old} in the checkpoint but {new} now" for k, (old, new) in diff.items())
-            raise ValueError(f"checkpoint step {step} in {self.ckpt_dir}: {said}. Use a new run_dir (or "
-                             f"checkpoint.dir) for a different objective or drafter, or set them back to resume")
+            raise ValueError(
+                f"checkpoint step {step} in {self.ckpt_dir}: {said}. Use a new run_dir (or "
+                f"checkpoint.dir) for a different objective or drafter, or set them back to resume"
+            )
         old_total = meta.get("total_steps")
         if old_total is not None and int(old_total) != self.total_steps:
             old_lr = float(make_optimizer(self.cfg.train, int(old_total))[1](step))
             new_lr = float(self.schedule(step))
-            log.warning("train.steps is %d now, %d when step %d was saved: the learning-rate schedule is "
-                        "recomputed over %d steps, so the rate at step %d moves from %.3g to %.3g",
-                        self.total_steps, int(old_total), step, self.total_steps, step, old_lr, new_lr)
+            log.warning(
+                "train.steps is %d now, %d when step %d was saved: the learning-rate schedule is "
+                "recomputed over %d steps, so the rate at step %d moves from %.3g to %.3g",
+                self.total_steps,
+                int(old_total),
+                step,
+                self.total_steps,
+                step,
+                old_lr,
+                new_lr,
+            )
 
     def save(self, force: bool = False) -> None:
         step = self.step
         if step in self.ckpt.all_steps():
             return
         meta = {"step": step, **self._meta(), "time": time.time()}
-        self.ckpt.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(self.state), data=ocp.args.JsonSave(self.iterator.get_state()),
-            meta=ocp.args.JsonSave(meta)), force=force)
+        self.ckpt.save(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(self.state),
+                data=ocp.args.JsonSave(self.iterator.get_state()),
+                meta=ocp.args.JsonSave(meta),
+            ),
+            force=force,
+        )
 
     def _trim_metrics(self, step: int) -> None:
         """Drop log lines of steps past the restored state (a killed run logged them; they will be redone) and a
@@ -508,8 +595,9 @@ class Trainer:
                 if i == len(lines) - 1:
                     log.warning("%s: dropped a torn last line (%d characters)", self.metrics_path, len(ln))
                     continue
-                raise ValueError(f"{self.metrics_path}:{i + 1}: not a JSON record (only a torn last line is "
-                                 "expected after a crash)") from None
+                raise ValueError(
+                    f"{self.metrics_path}:{i + 1}: not a JSON record (only a torn last line is expected after a crash)"
+                ) from None
             if rec["step"] <= step:
                 keep.append(ln)
         if len(keep) != len(lines):
@@ -520,13 +608,19 @@ class Trainer:
     def program(self) -> Program:
         t = self.cfg.train
         return Program(
-            d_graph=self.d_graph, t_graph=self.t_graph, block_size=self.block_size, gamma=self.gamma,
-            ce_chunk=int(self.cfg.ce_chunk), loss_positions=self.loss_positions,
-            distill_weight=self.distill_weight, layer_ids=tuple(self.drafter_cfg.target_layer_ids),
+            d_graph=self.d_graph,
+            t_graph=self.t_graph,
+            block_size=self.block_size,
+            gamma=self.gamma,
+            ce_chunk=int(self.cfg.ce_chunk),
+            loss_positions=self.loss_positions,
+            distill_weight=self.distill_weight,
+            layer_ids=tuple(self.drafter_cfg.target_layer_ids),
             zero_features=bool(self.cfg.features.zero),
             target_labels=self.target_labels and self.features is None,
             compute_dtype=str(self.cfg.train.compute_dtype),
-            opt=tuple((k, t[k]) for k in OPT_KEYS), total_steps=self.total_steps,
+            opt=tuple((k, t[k]) for k in OPT_KEYS),
+            total_steps=self.total_steps,
             mesh_key=(tuple(self.mesh.shape.items()), tuple(d.id for d in self.mesh.devices.flat)),
             state_shardings=jax.tree.map(lambda x: x.sharding, self.state),
         )
@@ -557,8 +651,9 @@ class Trainer:
     def grads(self, batch: dict):
         """(loss, grads) at the current params on a host batch: for sharding-equivalence checks."""
         prog = self.program()
-        fn = jax.jit(jax.value_and_grad(
-            lambda p, t, b: _loss(prog, p, t, b, jnp.zeros((), jnp.int32), -1, self.vocab_ids)[0]))
+        fn = jax.jit(
+            jax.value_and_grad(lambda p, t, b: _loss(prog, p, t, b, jnp.zeros((), jnp.int32), -1, self.vocab_ids)[0])
+        )
         return fn(self.state["params"], self.t_state, self.put_batch(batch))
 
     # -- the loop ------------------------------------------------------------------------------------------
@@ -599,17 +694,27 @@ class Trainer:
                     last = self.ckpt.latest_step()
                     raise TrainingDiverged(
                         f"loss is {loss} at step {step + 1}; stopped without saving that step. Last good "
-                        f"checkpoint: step {last} in {self.ckpt_dir}" if last is not None else
-                        f"loss is {loss} at step {step + 1}; stopped; no checkpoint had been written yet")
+                        f"checkpoint: step {last} in {self.ckpt_dir}"
+                        if last is not None
+                        else f"loss is {loss} at step {step + 1}; stopped; no checkpoint had been written yet"
+                    )
                 tokens, anchors = int(metrics["tokens"]), int(metrics["anchors"])
                 if first_time is None:
                     first_time = dt  # includes compilation
                 else:
                     timed, t_tokens, t_anchors, t_time = timed + 1, t_tokens + tokens, t_anchors + anchors, t_time + dt
-                rec = {"step": step, "loss": loss, "sim_tau": float(metrics["sim_tau"]),
-                       "grad_norm": float(metrics["grad_norm"]), "lr": float(metrics["lr"]),
-                       "valid_labels": int(metrics["valid_labels"]), "tokens_per_s": tokens / dt,
-                       "anchors_per_s": anchors / dt, "step_s": dt, "acc": [float(a) for a in metrics["acc"]]}
+                rec = {
+                    "step": step,
+                    "loss": loss,
+                    "sim_tau": float(metrics["sim_tau"]),
+                    "grad_norm": float(metrics["grad_norm"]),
+                    "lr": float(metrics["lr"]),
+                    "valid_labels": int(metrics["valid_labels"]),
+                    "tokens_per_s": tokens / dt,
+                    "anchors_per_s": anchors / dt,
+                    "step_s": dt,
+                    "acc": [float(a) for a in metrics["acc"]],
+                }
                 self._log(rec, tb)
                 if step % every == 0 or step == end:
                     self.save()
@@ -632,10 +737,14 @@ class Trainer:
                 signal.signal(s, h)
             if tb is not None:
                 tb.close()
-        summary = {"step": self.step, "stopped_by": stopped, "compile_step_s": first_time,
-                   "tokens_per_s": t_tokens / t_time if t_time else None,
-                   "anchors_per_s": t_anchors / t_time if t_time else None,
-                   "step_s": t_time / timed if timed else None}
+        summary = {
+            "step": self.step,
+            "stopped_by": stopped,
+            "compile_step_s": first_time,
+            "tokens_per_s": t_tokens / t_time if t_time else None,
+            "anchors_per_s": t_anchors / t_time if t_time else None,
+            "step_s": t_time / timed if timed else None,
+        }
         if self.step >= self.total_steps and stopped is None and bool(cfg.export.enabled):
             path = self.export()  # every process: FSDP shards are gathered from all of them; process 0 writes
             if path is not None:
@@ -678,16 +787,32 @@ class Trainer:
         s = rec["step"]
         if s % int(self.cfg.log.every) == 0 or s == 1 or s == self.total_steps:
             acc = rec["acc"]
-            log.info("step %d/%d  loss %.4f  sim_tau %.3f  acc[1] %.3f acc[K-1] %.3f  |g| %.3f  lr %.2e  "
-                     "%.0f tok/s  %.0f anchors/s  %.3fs/step  eta %.1f min", s, self.total_steps, rec["loss"],
-                     rec["sim_tau"], acc[0], acc[-1], rec["grad_norm"], rec["lr"], rec["tokens_per_s"],
-                     rec["anchors_per_s"], rec["step_s"], rec["step_s"] * (self.total_steps - s) / 60)
+            log.info(
+                "step %d/%d  loss %.4f  sim_tau %.3f  acc[1] %.3f acc[K-1] %.3f  |g| %.3f  lr %.2e  "
+                "%.0f tok/s  %.0f anchors/s  %.3fs/step  eta %.1f min",
+                s,
+                self.total_steps,
+                rec["loss"],
+                rec["sim_tau"],
+                acc[0],
+                acc[-1],
+                rec["grad_norm"],
+                rec["lr"],
+                rec["tokens_per_s"],
+                rec["anchors_per_s"],
+                rec["step_s"],
+                rec["step_s"] * (self.total_steps - s) / 60,
+            )
 
     def time_target_forward(self, host_batch: dict, repeats: int = 3) -> float:
         """Seconds of the target forward alone on one batch (for the share of step time it takes)."""
-        fn = jax.jit(lambda t, ids: forward(nnx.merge(self.t_graph, t), ids,
-                                            layer_ids=self.drafter_cfg.target_layer_ids,
-                                            compute_logits=False).features)
+        fn = jax.jit(
+            lambda t, ids: (
+                forward(
+                    nnx.merge(self.t_graph, t), ids, layer_ids=self.drafter_cfg.target_layer_ids, compute_logits=False
+                ).features
+            )
+        )
         ids = self.put_batch({"input_ids": host_batch["input_ids"]})["input_ids"]
         fn(self.t_state, ids).block_until_ready()
         t0 = time.perf_counter()

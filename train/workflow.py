@@ -30,16 +30,17 @@ def regenerated_path(rcfg, target_name: str) -> Path:
     if rcfg.output is not None:
         return Path(rcfg.output)
     stem = Path(str(rcfg.prompts)).stem
-    name = (f"{target_name}-{stem}-n{rcfg.limit}-h{rcfg.heldout}-p{rcfg.max_prompt_tokens}"
-            f"-t{rcfg.max_new_tokens}.jsonl")
+    name = f"{target_name}-{stem}-n{rcfg.limit}-h{rcfg.heldout}-p{rcfg.max_prompt_tokens}-t{rcfg.max_new_tokens}.jsonl"
     return cache_root() / "regenerated" / name
 
 
 def split_heldout(conversations: list[dict], heldout: int) -> tuple[list[dict], list[dict]]:
     """(train, held out): the last `heldout` conversations never reach training; eval uses their prompts."""
     if heldout < 0 or heldout >= len(conversations):
-        raise ValueError(f"data.regenerate.heldout={heldout} must be in 0..{len(conversations) - 1} "
-                         f"({len(conversations)} conversations read)")
+        raise ValueError(
+            f"data.regenerate.heldout={heldout} must be in 0..{len(conversations) - 1} "
+            f"({len(conversations)} conversations read)"
+        )
     cut = len(conversations) - heldout
     return conversations[:cut], conversations[cut:]
 
@@ -55,13 +56,26 @@ def prepare_regenerated(cfg, model, tok, target_name: str) -> tuple[Path, list[d
     out = regenerated_path(r, target_name)
     out.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    stats = regenerate(model, tok, train_convs, out, batch_size=int(r.batch_size),
-                       max_new_tokens=int(r.max_new_tokens), max_prompt_tokens=int(r.max_prompt_tokens),
-                       target_name=target_name)
+    stats = regenerate(
+        model,
+        tok,
+        train_convs,
+        out,
+        batch_size=int(r.batch_size),
+        max_new_tokens=int(r.max_new_tokens),
+        max_prompt_tokens=int(r.max_prompt_tokens),
+        target_name=target_name,
+    )
     if stats["written"]:
-        log.info("regenerated %d replies (%d tokens) in %.1f min -> %s; %d were already there, skipped %s",
-                 stats["written"], stats["new_tokens"], (time.perf_counter() - t0) / 60, out,
-                 stats["already_done"], stats["skipped"] or "none")
+        log.info(
+            "regenerated %d replies (%d tokens) in %.1f min -> %s; %d were already there, skipped %s",
+            stats["written"],
+            stats["new_tokens"],
+            (time.perf_counter() - t0) / 60,
+            out,
+            stats["already_done"],
+            stats["skipped"] or "none",
+        )
     else:
         log.info("regenerated data already complete: %s (%d replies)", out, stats["already_done"])
     rows = []
@@ -92,18 +106,22 @@ def announce_start(cfg, *, regen_todo: int = 0) -> None:
     if regen_todo:
         r = cfg.data.regenerate
         mins = regen_todo * int(r.max_new_tokens) * 0.8 / REGEN_TOKENS_PER_S / 60
-        parts.append(f"regenerate up to {regen_todo} replies with the target (~{mins:.0f} min, once: cached "
-                     "for later runs)")
+        parts.append(
+            f"regenerate up to {regen_todo} replies with the target (~{mins:.0f} min, once: cached for later runs)"
+        )
     steps = cfg.train.steps if cfg.train.steps is not None else f"{cfg.train.epochs} epochs of"
-    parts.append(f"train a K={cfg.block_size} drafter for {steps} steps of {cfg.train.batch_size} sequences, "
-                 f"checkpointing to {cfg.checkpoint.dir or Path(cfg.run_dir) / 'checkpoints'}")
+    parts.append(
+        f"train a K={cfg.block_size} drafter for {steps} steps of {cfg.train.batch_size} sequences, "
+        f"checkpointing to {cfg.checkpoint.dir or Path(cfg.run_dir) / 'checkpoints'}"
+    )
     if bool(cfg.export.enabled):
         parts.append(f"export it in the z-lab format to {Path(cfg.run_dir) / 'export'}")
     if bool(cfg.eval.enabled):
         e = cfg.eval
         mins = int(e.num_prompts) * int(e.max_new_tokens) * EVAL_S_PER_PROMPT_TOKEN / 60
-        parts.append(f"evaluate it vs n-gram vs plain decoding on {e.num_prompts} {e.prompts} prompts "
-                     f"(~{mins:.0f} min)")
+        parts.append(
+            f"evaluate it vs n-gram vs plain decoding on {e.num_prompts} {e.prompts} prompts (~{mins:.0f} min)"
+        )
     log.info("plan: %s", "; ".join(f"({i}) {p}" for i, p in enumerate(parts, 1)))
 
 
@@ -139,8 +157,10 @@ def end_of_run_eval(cfg, trainer, summary: dict, tokenizer, heldout: list[dict] 
     export = Path(summary["export"]) if summary.get("export") else None
     many = jax.process_count() > 1
     if many and not bool(cfg.export.enabled):  # on every process: only process 0's summary names the export
-        log.warning("eval.enabled under several processes evaluates the exported drafter, and export.enabled is "
-                    "false: no eval (export it, then run python -m infer.eval)")
+        log.warning(
+            "eval.enabled under several processes evaluates the exported drafter, and export.enabled is "
+            "false: no eval (export it, then run python -m infer.eval)"
+        )
         return None
     from dflash_model import sharding as shd
 
@@ -148,8 +168,12 @@ def end_of_run_eval(cfg, trainer, summary: dict, tokenizer, heldout: list[dict] 
     # Process 0's file system decides, so every process takes the same path through the collectives.
     if shd.process0_decides(_same_eval(prior, cfg, trainer.step)):
         if jax.process_index() == 0:
-            log.info("eval of step %d already in %s:\n%s", trainer.step, prior.parent,
-                     Path(prior.parent, "table.md").read_text())
+            log.info(
+                "eval of step %d already in %s:\n%s",
+                trainer.step,
+                prior.parent,
+                Path(prior.parent, "table.md").read_text(),
+            )
         return None
     target = _process0_target(trainer) if many else trainer.target
     reports = None
@@ -166,8 +190,11 @@ def end_of_run_eval(cfg, trainer, summary: dict, tokenizer, heldout: list[dict] 
 def eval_settings(cfg) -> dict:
     """Everything an end-of-run eval's numbers depend on besides the drafter's step (a cached eval is reused only
     when these match)."""
-    return {**json.loads(json.dumps(dict(cfg.eval))), "block_size": int(cfg.block_size),
-            "features_zero": bool(cfg.features.zero)}
+    return {
+        **json.loads(json.dumps(dict(cfg.eval))),
+        "block_size": int(cfg.block_size),
+        "features_zero": bool(cfg.features.zero),
+    }
 
 
 def _same_eval(prior: Path, cfg, step: int) -> bool:
@@ -219,33 +246,55 @@ def final_eval(cfg, trainer, tokenizer, rows: list[dict], export_dir: Path | Non
         shipped = Path(e.shipped)
         if (shipped / "config.json").is_file():
             # A committed drafter trained by the long recipe, served from its files as a server would load them.
-            drafts.append(dataclasses.replace(load_draft_spec(str(shipped), target_cfg, dtype=target_cfg.dtype),
-                                              name="shipped"))
+            drafts.append(
+                dataclasses.replace(load_draft_spec(str(shipped), target_cfg, dtype=target_cfg.dtype), name="shipped")
+            )
         else:
             log.info("eval: no shipped drafter at eval.shipped=%s; its row is left out", shipped)
     drafts.append(load_draft_spec("ngram", target_cfg, int(e.ngram_block)))
     prompts = encode(rows, tokenizer)
     keep = [i for i, p in enumerate(prompts) if len(p) <= int(e.max_prompt_tokens)]
     if len(keep) < len(prompts):
-        log.info("eval: %d of %d prompts are longer than eval.max_prompt_tokens=%s; skipped",
-                 len(prompts) - len(keep), len(prompts), e.max_prompt_tokens)
+        log.info(
+            "eval: %d of %d prompts are longer than eval.max_prompt_tokens=%s; skipped",
+            len(prompts) - len(keep),
+            len(prompts),
+            e.max_prompt_tokens,
+        )
     keep = keep[: int(e.num_prompts)]
     prompts, ids = [prompts[i] for i in keep], [rows[i]["id"] for i in keep]
     if not prompts:
         raise ValueError("no eval prompt left; raise eval.max_prompt_tokens or eval.num_prompts")
     t0 = time.perf_counter()
-    reports = run_comparison(target, drafts, prompts, max_new_tokens=int(e.max_new_tokens),
-                             stop_ids=tuple(stop_token_ids(tokenizer)) if tokenizer is not None else (), ids=ids)
+    reports = run_comparison(
+        target,
+        drafts,
+        prompts,
+        max_new_tokens=int(e.max_new_tokens),
+        stop_ids=tuple(stop_token_ids(tokenizer)) if tokenizer is not None else (),
+        ids=ids,
+    )
     out = Path(cfg.run_dir) / "eval"
     out.mkdir(parents=True, exist_ok=True)
-    summary = {"prompts": str(e.prompts), "num_prompts": len(prompts), "wall_s": time.perf_counter() - t0,
-               "trained_steps": trainer.step, "settings": eval_settings(cfg), "drafter": str(export_dir or "in-memory"),
-               "reports": reports}
-    plot_comparison(reports, out / "acceptance.png",
-                    title=f"held-out acceptance after {trainer.step} steps" if e.prompts == "heldout" else "")
+    summary = {
+        "prompts": str(e.prompts),
+        "num_prompts": len(prompts),
+        "wall_s": time.perf_counter() - t0,
+        "trained_steps": trainer.step,
+        "settings": eval_settings(cfg),
+        "drafter": str(export_dir or "in-memory"),
+        "reports": reports,
+    }
+    plot_comparison(
+        reports,
+        out / "acceptance.png",
+        title=f"held-out acceptance after {trainer.step} steps" if e.prompts == "heldout" else "",
+    )
     d, n = reports["dflash"]["tau"], reports["ngram"]["tau"]
-    verdict = (f"DFlash tau {d:.3f} vs n-gram tau {n:.3f} on these prompts: the drafter "
-               f"{'beats' if d > n else 'does not beat'} n-gram after {trainer.step} steps")
+    verdict = (
+        f"DFlash tau {d:.3f} vs n-gram tau {n:.3f} on these prompts: the drafter "
+        f"{'beats' if d > n else 'does not beat'} n-gram after {trainer.step} steps"
+    )
     summary["verdict"] = verdict
     table = format_comparison(reports) + "\n\n" + verdict
     atomic_write_text(out / "table.md", table + "\n\n" + format_table(reports["dflash"]) + "\n")

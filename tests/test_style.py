@@ -1,0 +1,16 @@
+"""House style, enforced where CI runs: `ruff check` and `ruff format --check` on the whole tree (ruff is pinned in
+pyproject.toml's dev extra, so the formatter's output cannot drift between machines)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("args", [["check", "."], ["format", "--check", "."]])
+def test_ruff_is_clean(args):
+    proc = subprocess.run([sys.executable, "-m", "ruff", *args], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, f"ruff {' '.join(args)}:\n{proc.stdout[-3000:]}{proc.stderr[-2000:]}"
