@@ -5,9 +5,9 @@ import json
 import pytest
 from conftest import tiny_target
 
-from data.regenerate import first_turn_prompt, plan, read_done, regenerate
 from dflash_model.tokenizer import chat_prompt_ids, stop_token_ids
 from infer.plain import bucket_length, greedy_generate
+from train.regenerate import first_turn_prompt, plan, read_done, regenerate
 
 NEW = 6  # new tokens per reply: enough to see text, short enough to keep the test fast
 

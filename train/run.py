@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> dict:
         if jax.process_count() > 1:  # every process would append to the same JSONL
             raise ValueError(
                 "data.source=regenerate runs in one process: regenerate first (python -m "
-                "data.regenerate, or this config on one host), then give the JSONL as data.source"
+                "train.regenerate, or this config on one host), then give the JSONL as data.source"
             )
         from dflash_model.tokenizer import load_tokenizer
 

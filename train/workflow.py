@@ -48,7 +48,7 @@ def split_heldout(conversations: list[dict], heldout: int) -> tuple[list[dict], 
 def prepare_regenerated(cfg, model, tok, target_name: str) -> tuple[Path, list[dict]]:
     """Regenerate (resuming) the training replies; returns (training JSONL, held-out prompt rows for eval)."""
     from data.conversations import load_conversations
-    from data.regenerate import first_turn_prompt, regenerate
+    from train.regenerate import first_turn_prompt, regenerate
 
     r = cfg.data.regenerate
     convs, _ = load_conversations(r.prompts, limit=int(r.limit), require_assistant=False)

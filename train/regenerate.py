@@ -1,6 +1,6 @@
 """Replace conversations' assistant replies with the target's own greedy replies (DFlash trains on them).
 
-  python -m data.regenerate --target PATH|smollm2 --input FILE.jsonl|sharegpt --output OUT.jsonl \\
+  python -m train.regenerate --target PATH|smollm2 --input FILE.jsonl|sharegpt --output OUT.jsonl \\
       [--skip N] [--limit N] [--batch-size 8] [--max-new-tokens 256] [--max-prompt-tokens 512]
 
 Each conversation is cut after its first user turn (system turns before it kept) and the first assistant reply
@@ -220,7 +220,7 @@ def load(target: str):
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(
-        prog="python -m data.regenerate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m train.regenerate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--target", required=True, help="HF model directory, .gguf file, or 'smollm2'")
     ap.add_argument("--input", required=True, help="conversation JSONL, or 'sharegpt' (the packaged ShareGPT V3)")
