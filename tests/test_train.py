@@ -373,3 +373,32 @@ def test_token_ids_beyond_the_target_vocabulary_are_refused_before_training():
 def test_rows_longer_than_the_target_positions_are_refused(tmp_path):
     with pytest.raises(ValueError, match="train.max_len=4096 exceeds the target's max_position_embeddings=2048"):
         Trainer(load_config("tiny", [f"run_dir={tmp_path}", "train.max_len=4096"]), restore=False)
+
+
+def _tb_scalars(tb_dir):
+    """{tag: [(step, value)]} read back from tensorboardX event files (TFRecord framing, event protos)."""
+    import struct
+
+    from tensorboardX.proto import event_pb2
+
+    out = {}
+    for f in sorted(Path(tb_dir).glob("events.out.tfevents.*")):
+        data, i = f.read_bytes(), 0
+        while i < len(data):
+            (n,) = struct.unpack("<Q", data[i : i + 8])
+            ev = event_pb2.Event.FromString(data[i + 12 : i + 12 + n])
+            i += 12 + n + 4
+            for v in ev.summary.value:
+                out.setdefault(v.tag, []).append((ev.step, v.simple_value))
+    return out
+
+
+def test_tensorboard_logs_appear(tmp_path):
+    """log.tensorboard=true writes scalars a TensorBoard reads: the same losses as metrics.jsonl."""
+    tr = Trainer(load_config("tiny", [f"run_dir={tmp_path}", "log.tensorboard=true"]), restore=False)
+    tr.train(max_steps=3)
+    scalars = _tb_scalars(tmp_path / "tb")
+    losses = [(r["step"], r["loss"]) for r in _records(tmp_path)]
+    assert [s for s, _ in scalars["train/loss"]] == [1, 2, 3]
+    np.testing.assert_allclose([v for _, v in scalars["train/loss"]], [v for _, v in losses], rtol=1e-6)
+    assert {"train/sim_tau", "train/lr", "train/grad_norm"} <= set(scalars)

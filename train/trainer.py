@@ -770,10 +770,10 @@ class Trainer:
     def _tensorboard(self):
         if not bool(self.cfg.log.tensorboard) or jax.process_index() != 0:
             return None
-        try:
-            from tensorboardX import SummaryWriter
-        except ImportError:
-            return None
+        from tensorboardX import (
+            SummaryWriter,
+        )  # a dependency; imported here so a run with log.tensorboard=false skips it
+
         return SummaryWriter(str(self.run_dir / "tb"))
 
     def _log(self, rec: dict, tb) -> None:
