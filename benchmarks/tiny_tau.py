@@ -248,7 +248,7 @@ def run(s: Settings, run_dir: Path, *, progress: bool = False) -> dict:
         out = export_drafter(nnx.merge(trainer.d_graph, params), dcfg, run_dir / f"export-{name}", dtype="float32")
         drafts.append(dataclasses.replace(load_draft_spec(str(out), trainer.target_cfg), name=name))
     if s.ngram:
-        drafts.append(Draft("ngram", NGramProposer(), None, s.block_size, None))
+        drafts.append(Draft("ngram", NGramProposer(), None, s.block_size))
     t0 = time.perf_counter()
     reports = run_comparison(target, drafts, held_prompts, max_new_tokens=s.new_tokens, progress=progress)
     eval_s = time.perf_counter() - t0

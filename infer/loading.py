@@ -68,7 +68,6 @@ class Draft:
     proposer: Any
     params: Any
     block_size: int  # the K to use (the drafter's trained K unless --block says otherwise)
-    max_block: int | None  # largest allowed K (None: unbounded, n-gram)
 
 
 def load_draft_spec(
@@ -86,10 +85,10 @@ def load_draft_spec(
     if spec == "none":
         if block not in (None, 1):
             raise ValueError("--draft none decodes one token per step: --block must be 1 or left out")
-        return Draft("none", proposers.NoProposer(), None, 1, 1)
+        return Draft("none", proposers.NoProposer(), None, 1)
     if spec == "ngram":
         k = block or NGRAM_BLOCK
-        return Draft("ngram", proposers.NGramProposer(), None, k, None)
+        return Draft("ngram", proposers.NGramProposer(), None, k)
     from dflash_model import drafter_weights
 
     if spec == "random":
@@ -106,8 +105,7 @@ def dflash_draft(name: str, drafter, cfg, block: int | None = None, *, zero_feat
     k = block or cfg.block_size
     if not 2 <= k <= cfg.block_size:
         raise ValueError(f"--block {k}: this drafter was trained with K={cfg.block_size}; use 2..{cfg.block_size}")
-    proposer, params = proposers.dflash(drafter, cfg, zero_features=zero_features)
-    return Draft(name, proposer, params, k, cfg.block_size)
+    return Draft(name, proposers.DFlashProposer(cfg, zero_features=zero_features), drafter, k)
 
 
 _SHAPE_FIELDS = (

@@ -127,16 +127,4 @@ class DFlashProposer:
         return propose(params, target, state, last_tokens(history_BC, n_B), k).astype(jnp.int32)
 
 
-def dflash(drafter, config, zero_features: bool = False) -> tuple[DFlashProposer, Any]:
-    return DFlashProposer(config, zero_features=zero_features), drafter
-
-
-def ngram(max_n: int = 3, min_n: int = 1) -> tuple[NGramProposer, None]:
-    return NGramProposer(max_n, min_n), None
-
-
-def none() -> tuple[NoProposer, None]:
-    return NoProposer(), None
-
-
-__all__ = ["DFlashProposer", "NGramProposer", "NoProposer", "dflash", "last_tokens", "ngram", "none"]
+__all__ = ["DFlashProposer", "NGramProposer", "NoProposer", "last_tokens"]

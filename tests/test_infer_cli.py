@@ -112,7 +112,7 @@ def test_eval_counts_lossless_mismatches():
             "spec_decode_s": 1.0,
         },
     ]
-    rep = ev.summarize(recs, Draft("ngram", NGramProposer(), None, 2, None), max_new_tokens=4)
+    rep = ev.summarize(recs, Draft("ngram", NGramProposer(), None, 2), max_new_tokens=4)
     assert rep["lossless_mismatches"] == 1
     assert rep["mismatch_examples"][0]["id"] == "b" and rep["mismatch_examples"][0]["first_diff"] == 2
     assert rep["tpot_plain_ms"] == pytest.approx(1e3 * 2.5 / 5) and rep["speedup"] == pytest.approx(5 / 3)

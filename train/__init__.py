@@ -1,1 +1,1 @@
-"""Training: DFlash objective, Tunix trainer, configs, checkpoints."""
+"""Training: the DFlash objective, the trainer (step, checkpoints, loop), configs, regeneration, features."""

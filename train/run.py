@@ -11,10 +11,11 @@ import logging
 import sys
 from pathlib import Path
 
-from dflash_model.files import atomic_write_text
-
-# Run as a script from the repo root: make `train`, `dflash_model`, `data` importable without installing.
+# Run as a script, Python puts train/ first on sys.path, where train/data.py would shadow the `data` package:
+# the repository root goes first instead.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from dflash_model.files import atomic_write_text  # noqa: E402
 
 
 def _target_name(cfg) -> str:
