@@ -402,3 +402,16 @@ def test_tensorboard_logs_appear(tmp_path):
     assert [s for s, _ in scalars["train/loss"]] == [1, 2, 3]
     np.testing.assert_allclose([v for _, v in scalars["train/loss"]], [v for _, v in losses], rtol=1e-6)
     assert {"train/sim_tau", "train/lr", "train/grad_norm"} <= set(scalars)
+
+
+def test_bad_input_is_one_line_and_exit_2(tmp_path):
+    """train/run.py reports a bad value as one line naming it, exit 2, no traceback (DFLASH_TRACEBACK=1 shows it)."""
+    cmd = [sys.executable, str(REPO / "train" / "run.py"), "--config", "tiny", f"run_dir={tmp_path}", "train.lr=-1"]
+    env = {k: v for k, v in os.environ.items() if k != "DFLASH_TRACEBACK"}
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "error: train.lr=-1: must be > 0" in proc.stderr and "Traceback" not in proc.stderr
+    helped = subprocess.run(
+        [sys.executable, str(REPO / "train" / "run.py"), "--help"], cwd=REPO, capture_output=True, text=True
+    )
+    assert helped.returncode == 0 and "--config" in helped.stdout and "--block" in helped.stdout

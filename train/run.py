@@ -8,6 +8,7 @@ n-gram drafting on held-out prompts (train/workflow.py).
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -116,10 +117,19 @@ def main(argv: list[str] | None = None) -> dict:
 
 # A run stopped by SIGTERM / SIGINT saved its step and can resume, but it did not finish: a scheduler must see that.
 STOPPED_EXIT = 75  # EX_TEMPFAIL: "try again later"
+# Bad input (a config value, a missing file, a checkpoint of another run): one line naming it, no traceback.
+INPUT_ERROR_EXIT = 2
+INPUT_ERRORS = (ValueError, KeyError, FileNotFoundError, RuntimeError)
 
 
 if __name__ == "__main__":
-    summary = main()
+    try:
+        summary = main()
+    except INPUT_ERRORS as e:
+        if os.environ.get("DFLASH_TRACEBACK"):
+            raise
+        print(f"error: {e}\n(set DFLASH_TRACEBACK=1 for the traceback)", file=sys.stderr)
+        sys.exit(INPUT_ERROR_EXIT)
     if summary.get("stopped_by"):
         print(
             f"stopped by {summary['stopped_by']} at step {summary['step']} after checkpointing it; run the same "
