@@ -113,7 +113,7 @@ def phases(trainer, repeats: int = 3) -> dict:
     @jax.jit
     def ce(hm):
         return jax.grad(
-            lambda x: jnp.sum(chunked_cross_entropy(target, x, labels, prog.ce_chunk, vocab_ids_N=vocab)[0])
+            lambda x: jnp.sum(chunked_cross_entropy(target, x, labels, prog.ce_chunk, vocab_ids_U=vocab)[0])
         )(hm)
 
     out["ce_s"] = _time(ce, hm, repeats=repeats)

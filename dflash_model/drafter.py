@@ -1,9 +1,6 @@
 """DFlash drafter: config (z-lab format), NNX module, cached inference and the one-pass multi-block training forward.
 
-Dimension letters: B batch, T sequence / context positions, C context-cache capacity, S context key positions
-(T or C), N blocks per row, K block length, J a block key's index inside its block (K of them), D model width,
-F concatenated target features (n_feat * D), M MLP width, Q query heads, G kv heads, R query heads per kv head
-(Q = G * R), H head dim, V vocab, L draft layers.
+Dimension letters: docs/glossary.md (one glossary for the repository).
 
 The drafter has no embedding and no lm_head: the target's are passed in at every call (`target.embed`,
 `target.lm_head`) and never copied. Every draft layer attends from the block's queries to keys/values

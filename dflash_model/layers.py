@@ -1,7 +1,6 @@
 """Pure functional pieces shared by the target and the drafter: RMSNorm, RoPE, grouped attention, SwiGLU.
 
-Dimension letters: B batch, T query positions, S key positions, D model width, N query heads,
-K kv heads, G query heads per kv head (N = K*G), H head dim, F MLP width, V vocab.
+Dimension letters: docs/glossary.md (one glossary for the repository).
 """
 
 from __future__ import annotations
@@ -51,28 +50,28 @@ def rope_angles(positions, inv_freq):
     return jnp.cos(angles), jnp.sin(angles)
 
 
-def apply_rope(x_BTNH, cos_BTh, sin_BTh):
+def apply_rope(x_BTQH, cos_BTh, sin_BTh):
     """Rotate-half RoPE (the HF layout: first half / second half of each head), computed in fp32."""
-    x = x_BTNH.astype(jnp.float32)
+    x = x_BTQH.astype(jnp.float32)
     x1, x2 = jnp.split(x, 2, axis=-1)
     cos, sin = cos_BTh[:, :, None, :], sin_BTh[:, :, None, :]
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x_BTNH.dtype)
+    return out.astype(x_BTQH.dtype)
 
 
-def attend(q_BTNH, k_BSKH, v_BSKH, mask_BTS):
+def attend(q_BTQH, k_BSGH, v_BSGH, mask_BTS):
     """Softmax attention with grouped kv heads; mask True = may attend. Scores and softmax in fp32."""
-    b, t, n, h = q_BTNH.shape
-    kv_heads = k_BSKH.shape[2]
-    q = q_BTNH.reshape(b, t, kv_heads, n // kv_heads, h)
-    scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k_BSKH, preferred_element_type=jnp.float32) * (h**-0.5)
+    b, t, n, h = q_BTQH.shape
+    kv_heads = k_BSGH.shape[2]
+    q = q_BTQH.reshape(b, t, kv_heads, n // kv_heads, h)
+    scores = jnp.einsum("BTGRH,BSGH->BGRTS", q, k_BSGH, preferred_element_type=jnp.float32) * (h**-0.5)
     scores = jnp.where(mask_BTS[:, None, None, :, :], scores, MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_BSKH.dtype)
-    out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v_BSKH)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_BSGH.dtype)
+    out = jnp.einsum("BGRTS,BSGH->BTGRH", probs, v_BSGH)
     return out.reshape(b, t, n, h)
 
 
-def swiglu(x_BTD, gate_DF, up_DF, down_FD):
-    return (jax.nn.silu(x_BTD @ gate_DF.astype(x_BTD.dtype)) * (x_BTD @ up_DF.astype(x_BTD.dtype))) @ down_FD.astype(
+def swiglu(x_BTD, gate_DM, up_DM, down_MD):
+    return (jax.nn.silu(x_BTD @ gate_DM.astype(x_BTD.dtype)) * (x_BTD @ up_DM.astype(x_BTD.dtype))) @ down_MD.astype(
         x_BTD.dtype
     )

@@ -8,7 +8,7 @@ what speculative decoding needs:
   * it returns only the final-norm output, not the outputs of chosen decoder layers;
   * Tunix's Qwen3 attention ignores `rope_theta` and its Llama3 has no Llama-3.1 frequency scaling.
 
-Dimension letters as in layers.py; L = decoder layers, C = cache capacity (max_len + block).
+Dimension letters: docs/glossary.md (one glossary for the repository).
 """
 
 from __future__ import annotations
@@ -105,8 +105,8 @@ class KVCache:
     can see them (queries see keys at positions <= their own). Cropping is therefore just lowering `lengths`.
     """
 
-    k: jax.Array  # [L, B, C, K, H]
-    v: jax.Array  # [L, B, C, K, H]
+    k: jax.Array  # [L, B, C, G, H]
+    v: jax.Array  # [L, B, C, G, H]
     lengths: jax.Array  # [B] int32
 
     @classmethod
@@ -156,17 +156,17 @@ def final_norm(model: nnx.Module, hidden):
     return rms_norm(hidden, model.final_norm.w[...], config_of(model).rms_norm_eps)
 
 
-def write_rows(stack_LBCKH, layer: int, new_BTKH, pos_BT):
+def write_rows(stack_LBCGH, layer: int, new_BTGH, pos_BT):
     """Write row b's T new entries at cache positions pos_BT[b] into layer `layer` of a stacked cache buffer.
 
-    One scatter straight into the [L, B, C, K, H] buffer: XLA updates it in place (the decode loop donates the
+    One scatter straight into the [L, B, C, G, H] buffer: XLA updates it in place (the decode loop donates the
     cache), so a step costs O(B*T) writes, not a copy of the cache. (A vmapped dynamic_update_slice per row
     followed by `.at[layer].set` compiled to a whole-cache select: SmolLM2 TPOT was 8x higher at context 2048
     than at 256.) Entries past the capacity are dropped, not clamped onto earlier, valid positions.
     """
-    b, t = new_BTKH.shape[:2]
+    b, t = new_BTGH.shape[:2]
     rows_BT = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t))
-    return stack_LBCKH.at[layer, rows_BT, pos_BT].set(new_BTKH.astype(stack_LBCKH.dtype), mode="drop")
+    return stack_LBCGH.at[layer, rows_BT, pos_BT].set(new_BTGH.astype(stack_LBCGH.dtype), mode="drop")
 
 
 def forward(
@@ -208,9 +208,9 @@ def forward(
     for i, layer in enumerate(model.layers):
         attn = layer.attn
         h = rms_norm(x, layer.input_layernorm.w[...], eps)
-        q = jnp.einsum("BTD,DNH->BTNH", h, attn.q_proj.w[...].astype(h.dtype))
-        k = jnp.einsum("BTD,DKH->BTKH", h, attn.k_proj.w[...].astype(h.dtype))
-        v = jnp.einsum("BTD,DKH->BTKH", h, attn.v_proj.w[...].astype(h.dtype))
+        q = jnp.einsum("BTD,DQH->BTQH", h, attn.q_proj.w[...].astype(h.dtype))
+        k = jnp.einsum("BTD,DGH->BTGH", h, attn.k_proj.w[...].astype(h.dtype))
+        v = jnp.einsum("BTD,DGH->BTGH", h, attn.v_proj.w[...].astype(h.dtype))
         if cfg.qk_norm:
             q = rms_norm(q, attn.q_norm.w[...], eps)
             k = rms_norm(k, attn.k_norm.w[...], eps)
@@ -220,7 +220,7 @@ def forward(
             cache_v = write_rows(cache_v, i, v, positions_BT)
             k, v = cache_k[i], cache_v[i]
         o = attend(q, k.astype(q.dtype), v.astype(q.dtype), mask_BTS)
-        x = x + jnp.einsum("BTNH,NHD->BTD", o, attn.o_proj.w[...].astype(o.dtype))
+        x = x + jnp.einsum("BTQH,QHD->BTD", o, attn.o_proj.w[...].astype(o.dtype))
         h = rms_norm(x, layer.post_attention_layernorm.w[...], eps)
         mlp = layer.mlp
         x = x + swiglu(h, mlp.gate_proj.kernel[...], mlp.up_proj.kernel[...], mlp.down_proj.kernel[...])

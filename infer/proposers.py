@@ -12,7 +12,7 @@ explicit arguments; its parameters (if any) travel separately as a pytree `param
       history_BC[b, :n_B[b]] is the committed sequence; the block to fill is
       [history[b, n_B[b]-1], d_1 .. d_{k-1}] at positions n_B[b]-1 .. n_B[b]+k-2.
 
-Dimension letters: B batch, C history capacity, T new positions, F feature width, K block size.
+Dimension letters: docs/glossary.md (one glossary for the repository).
 """
 
 from __future__ import annotations

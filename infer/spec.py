@@ -9,7 +9,7 @@ Positions, row b: the committed sequence is history[b, :n[b]]. Its last token, a
 produced but has not been through the target yet, so the target cache and the drafter's context both hold
 exactly the positions < start. A round runs the block [last, d_1 .. d_{K-1}] at positions start .. start+K-1.
 
-Dimension letters: B batch, P prompt bucket, C capacity (P + max_new_tokens + K), K block, R rounds, V vocab.
+Dimension letters: docs/glossary.md (one glossary for the repository). Here C = P + max_new_tokens + K.
 """
 
 from __future__ import annotations
@@ -38,13 +38,13 @@ class DecodeState:
     prompt_len: jax.Array  # [B]
     n: jax.Array  # [B] committed tokens (prompt + generated)
     done: jax.Array  # [B] bool: stop token committed or max_new_tokens reached
-    stop_ids: jax.Array  # [S] ids that end a row, padded with -1 (data, not static: one compile for any set)
+    stop_ids: jax.Array  # [Y] ids that end a row, padded with -1 (data, not static: one compile for any set)
     cache: KVCache  # target K/V of positions < n - 1
     draft: Any  # proposer state (DFlash: its context cache, also of positions < n - 1)
     key: jax.Array  # sampling key (unused at temperature 0)
     rounds: jax.Array  # [] verify rounds run so far
-    accept: jax.Array  # [B, R] tokens committed by each verify round, bonus included (0 = row was done)
-    proposals: jax.Array  # [B, R, K-1] the drafts of each round
+    accept: jax.Array  # [B, I] tokens committed by each verify round, bonus included (0 = row was done)
+    proposals: jax.Array  # [B, I, K-1] the drafts of each round
     nonfinite: jax.Array  # [] bool: some target logit was NaN or inf (its argmax, token 0, would be reported)
 
 
@@ -64,8 +64,8 @@ def _pick(logits_BxV, temperature: float, key):
     return jax.random.categorical(key, logits_BxV / temperature, axis=-1).astype(jnp.int32)
 
 
-def _is_stop(tokens, stop_S):
-    return jnp.any(tokens[..., None] == stop_S, axis=-1)
+def _is_stop(tokens, stop_Y):
+    return jnp.any(tokens[..., None] == stop_Y, axis=-1)
 
 
 def _round(target, proposer, params, st: DecodeState, *, k, temperature, max_new) -> DecodeState:
@@ -113,7 +113,7 @@ def _round(target, proposer, params, st: DecodeState, *, k, temperature, max_new
     )
 
 
-def _prefill_impl(target, proposer, params, ids_BP, lengths_B, key, stop_S, *, k, temperature, max_new):
+def _prefill_impl(target, proposer, params, ids_BP, lengths_B, key, stop_Y, *, k, temperature, max_new):
     TRACES["prefill"] += 1
     b, p = ids_BP.shape
     capacity = p + max_new + k
@@ -134,8 +134,8 @@ def _prefill_impl(target, proposer, params, ids_BP, lengths_B, key, stop_S, *, k
         history=history,
         prompt_len=lengths_B,
         n=lengths_B + 1,
-        done=_is_stop(first, stop_S) | (max_new <= 1),
-        stop_ids=stop_S,
+        done=_is_stop(first, stop_Y) | (max_new <= 1),
+        stop_ids=stop_Y,
         cache=out.cache.crop(lengths_B),
         draft=draft,
         key=key,
@@ -195,14 +195,14 @@ class Engine:
         self.static = dict(k=int(block_size), temperature=float(temperature), max_new=int(max_new_tokens))
         self.stop_ids = tuple(sorted({int(s) for s in stop_ids}))
         slots = 8 * max(1, -(-len(self.stop_ids) // 8))  # a few fixed sizes: the set is data, not a shape
-        self.stop_S = jnp.asarray(list(self.stop_ids) + [-1] * (slots - len(self.stop_ids)), jnp.int32)
+        self.stop_Y = jnp.asarray(list(self.stop_ids) + [-1] * (slots - len(self.stop_ids)), jnp.int32)
 
     @property
     def block_size(self) -> int:
         return self.static["k"]
 
     def prefill(self, ids_BP, lengths_B, key) -> DecodeState:
-        return _prefill(self.target, self.proposer, self.params, ids_BP, lengths_B, key, self.stop_S, **self.static)
+        return _prefill(self.target, self.proposer, self.params, ids_BP, lengths_B, key, self.stop_Y, **self.static)
 
     def decode(self, state: DecodeState) -> DecodeState:
         """The whole decode loop on device (the state's buffers are donated: do not reuse `state`)."""

@@ -135,7 +135,7 @@ def test_fused_cross_entropy_matches_the_plain_formula(setup):
         return jnp.sum(g * ce), ce
 
     def fused_soft(h):
-        ce, _ = chunked_cross_entropy(target, h, y, chunk=5, teacher_MD=t, soft_weight=0.3)
+        ce, _ = chunked_cross_entropy(target, h, y, chunk=5, teacher_XD=t, soft_weight=0.3)
         return jnp.sum(g * ce), ce
 
     (_, ce0), gs0 = jax.value_and_grad(plain_soft, has_aux=True)(h)
@@ -200,7 +200,7 @@ def test_draft_vocab_loss_is_full_loss_restricted_to_it(setup):
             block_size=K,
             gamma=3.0,
             ce_chunk=7,
-            vocab_ids_N=vocab,
+            vocab_ids_U=vocab,
         )[0]
 
     def plain(p):

@@ -1,7 +1,6 @@
 """The DFlash training objective: random-anchor blocks, same-position labels, decayed CE through the frozen lm_head.
 
-Dimension letters: B sequences, T tokens, N anchors (blocks) per sequence, K block size, D width, V vocab,
-M = B*N*K flattened block positions, C rows per cross-entropy chunk.
+Dimension letters: docs/glossary.md (one glossary for the repository).
 """
 
 from __future__ import annotations
@@ -70,41 +69,41 @@ def on_greedy_path(tokens_BT, labels_BT, anchors_BN, block_size: int):
     return jnp.concatenate([jnp.ones_like(upto[..., :1]), upto[..., :-1]], axis=-1)
 
 
-def restrict_vocab(labels, valid, vocab_ids_N, vocab_size: int):
-    """(labels as indices into `vocab_ids_N`, validity) for a loss over a draft vocabulary: a label outside it
+def restrict_vocab(labels, valid, vocab_ids_U, vocab_size: int):
+    """(labels as indices into `vocab_ids_U`, validity) for a loss over a draft vocabulary: a label outside it
     cannot be predicted and leaves the loss (FR-Spec's frequency-ranked drafting vocabulary, applied to training).
     """
-    n = vocab_ids_N.shape[0]
-    index = jnp.full((vocab_size,), -1, jnp.int32).at[vocab_ids_N].set(jnp.arange(n, dtype=jnp.int32))
+    n = vocab_ids_U.shape[0]
+    index = jnp.full((vocab_size,), -1, jnp.int32).at[vocab_ids_U].set(jnp.arange(n, dtype=jnp.int32))
     sub = index[labels]
     return jnp.maximum(sub, 0), valid & (sub >= 0)
 
 
 def chunked_cross_entropy(
-    target_model, hidden_MD, labels_M, chunk: int, teacher_MD=None, soft_weight: float = 0.0, vocab_ids_N=None
+    target_model, hidden_XD, labels_X, chunk: int, teacher_XD=None, soft_weight: float = 0.0, vocab_ids_U=None
 ):
     """Per-row cross-entropy and argmax-correctness through the target's (frozen) lm_head, `chunk` rows at a time.
 
-    The label of a row is the one-hot of `labels_M`, or with `teacher_MD` (the target's own final-normed hidden
+    The label of a row is the one-hot of `labels_X`, or with `teacher_XD` (the target's own final-normed hidden
     state that predicted that token) the mixture (1 - soft_weight) * onehot + soft_weight * softmax(teacher
     logits): distillation on the target's whole next-token distribution, which says far more per example than
     its argmax does when a run sees few examples. `correct` always compares with the hard label.
 
-    The [M, V] logits never exist at once, and each chunk's logits are computed once: the forward pass also
-    forms d loss / d hidden = (softmax - label) @ W^T and keeps only that [M, D] residual, so a training step
-    costs two C x D x V matmuls per chunk (three with a teacher) instead of three (forward, rematerialised
+    The [X, V] logits never exist at once, and each chunk's logits are computed once: the forward pass also
+    forms d loss / d hidden = (softmax - label) @ W^T and keeps only that [X, D] residual, so a training step
+    costs two W x D x V matmuls per chunk (three with a teacher) instead of three (forward, rematerialised
     forward, backward) and holds no logits for the backward pass. Hand-written because no JAX library we use
     ships a fused linear cross-entropy; `tests/test_objective.py` checks values and gradients against the
     plain formula.
 
-    `vocab_ids_N` restricts the softmax to those lm_head rows (labels are then indices into it, see
+    `vocab_ids_U` restricts the softmax to those lm_head rows (labels are then indices into it, see
     `restrict_vocab`): N/V of the cost. Logits and the softmax are fp32 whatever the hidden dtype.
     """
     w_DV = jax.lax.stop_gradient(lm_head_weight(target_model))
-    if vocab_ids_N is not None:
-        w_DV = jnp.take(w_DV, vocab_ids_N, axis=1)
-    w_DV = w_DV.astype(hidden_MD.dtype)
-    m, d = hidden_MD.shape
+    if vocab_ids_U is not None:
+        w_DV = jnp.take(w_DV, vocab_ids_U, axis=1)
+    w_DV = w_DV.astype(hidden_XD.dtype)
+    m, d = hidden_XD.shape
     chunk = min(chunk, m)  # never pad a short batch up to a whole chunk (K=16 x 16 anchors is 256 rows, not 1024)
     n_chunks = math.ceil(m / chunk)
     pad = n_chunks * chunk - m
@@ -112,30 +111,30 @@ def chunked_cross_entropy(
     def chunks(x):
         return jnp.pad(x, ((0, pad),) + ((0, 0),) * (x.ndim - 1)).reshape(n_chunks, chunk, *x.shape[1:])
 
-    if teacher_MD is None or soft_weight == 0.0:
-        teacher, soft_weight = jnp.zeros((n_chunks, 0, d), hidden_MD.dtype), 0.0
+    if teacher_XD is None or soft_weight == 0.0:
+        teacher, soft_weight = jnp.zeros((n_chunks, 0, d), hidden_XD.dtype), 0.0
     else:
-        teacher = chunks(jax.lax.stop_gradient(teacher_MD).astype(hidden_MD.dtype))
-    nll, correct = _fused_ce(chunks(hidden_MD), chunks(labels_M), teacher, w_DV, float(soft_weight))
+        teacher = chunks(jax.lax.stop_gradient(teacher_XD).astype(hidden_XD.dtype))
+    nll, correct = _fused_ce(chunks(hidden_XD), chunks(labels_X), teacher, w_DV, float(soft_weight))
     return nll.reshape(-1)[:m], correct.reshape(-1)[:m]
 
 
-def _ce_chunk(h_CD, y_C, t_CD, w_DV, soft_weight: float, with_grad: bool):
-    logits = jnp.einsum("CD,DV->CV", h_CD, w_DV, preferred_element_type=jnp.float32)
+def _ce_chunk(h_WD, y_W, t_WD, w_DV, soft_weight: float, with_grad: bool):
+    logits = jnp.einsum("WD,DV->WV", h_WD, w_DV, preferred_element_type=jnp.float32)
     lse = jax.nn.logsumexp(logits, axis=-1)
-    label = jax.nn.one_hot(y_C, logits.shape[-1], dtype=jnp.float32)
+    label = jax.nn.one_hot(y_W, logits.shape[-1], dtype=jnp.float32)
     if soft_weight:
-        teacher = jax.nn.softmax(jnp.einsum("CD,DV->CV", t_CD, w_DV, preferred_element_type=jnp.float32), axis=-1)
+        teacher = jax.nn.softmax(jnp.einsum("WD,DV->WV", t_WD, w_DV, preferred_element_type=jnp.float32), axis=-1)
         label = (1.0 - soft_weight) * label + soft_weight * teacher
     nll = lse - jnp.sum(label * logits, axis=-1)
-    correct = jnp.argmax(logits, axis=-1) == y_C
+    correct = jnp.argmax(logits, axis=-1) == y_W
     if not with_grad:
         return nll, correct
     p = jnp.exp(logits - lse[:, None]) - label
     return (
         nll,
         correct,
-        jnp.einsum("CV,DV->CD", p.astype(w_DV.dtype), w_DV, preferred_element_type=jnp.float32).astype(h_CD.dtype),
+        jnp.einsum("WV,DV->WD", p.astype(w_DV.dtype), w_DV, preferred_element_type=jnp.float32).astype(h_WD.dtype),
     )
 
 
@@ -176,7 +175,7 @@ def dflash_loss(
     teacher_BTD=None,
     soft_weight: float = 0.0,
     labels_BT=None,
-    vocab_ids_N=None,
+    vocab_ids_U=None,
     compute_dtype=None,
 ):
     """Weighted CE of all anchor blocks, normalised by the weight sum; returns (loss, metrics).
@@ -190,7 +189,7 @@ def dflash_loss(
 
     `labels_BT` replaces the text as the label row (block inputs stay the text's tokens), on the target's greedy
     path only: see `target_labels` and `on_greedy_path`.
-    `vocab_ids_N` trains against a draft vocabulary (see `restrict_vocab`; `acc` then counts in-vocabulary labels
+    `vocab_ids_U` trains against a draft vocabulary (see `restrict_vocab`; `acc` then counts in-vocabulary labels
     only). `compute_dtype` (e.g. bfloat16) runs the drafter and the lm_head matmuls in that dtype; parameters,
     softmax and loss stay fp32.
 
@@ -220,10 +219,10 @@ def dflash_loss(
         t = teacher_BTD.shape[1]
         idx = jnp.clip(anchors_BN[..., None] + jnp.arange(slots, dtype=jnp.int32) - 1, 0, t - 1)
         teacher = jnp.take_along_axis(teacher_BTD, idx.reshape(idx.shape[0], -1)[..., None], axis=1).reshape(-1, d)
-    if vocab_ids_N is not None:
-        labels, valid = restrict_vocab(labels, valid, vocab_ids_N, config_of(target_model).vocab_size)
+    if vocab_ids_U is not None:
+        labels, valid = restrict_vocab(labels, valid, vocab_ids_U, config_of(target_model).vocab_size)
     nll, correct = chunked_cross_entropy(
-        target_model, hidden.reshape(-1, d), labels.reshape(-1), ce_chunk, teacher, soft_weight, vocab_ids_N
+        target_model, hidden.reshape(-1, d), labels.reshape(-1), ce_chunk, teacher, soft_weight, vocab_ids_U
     )
     nll, correct = nll.reshape(labels.shape), correct.reshape(labels.shape)
     w = position_weights(block_size, gamma)[:slots] * valid

@@ -284,7 +284,7 @@ def _loss(prog: Program, params, t_state, batch, step, nan_at, vocab_ids=None):
         teacher_BTD=teacher,
         soft_weight=prog.distill_weight,
         labels_BT=jax.lax.stop_gradient(labels) if labels is not None else None,
-        vocab_ids_N=vocab_ids,
+        vocab_ids_U=vocab_ids,
         compute_dtype=jnp.dtype(prog.compute_dtype),
     )
     # debug.nan_at_step as a runtime value (-1 = off), so the knob does not change the compiled program.
