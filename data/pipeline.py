@@ -38,7 +38,7 @@ import grain
 import numpy as np
 
 from data.conversations import load_conversations, tokenize_conversation
-from dflash_model.files import atomic_write_text
+from dflash_model.files import atomic_write_text, sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -135,14 +135,6 @@ def tokenize_all(conversations: Sequence[dict], tok, max_len: int, thinking: boo
     return TokenizedRecords.from_examples(examples, ids), dropped
 
 
-def _file_digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def tokenizer_fingerprint(tok) -> str:
     """Hash of everything that decides token ids and the rendering: vocab + merges + specials, chat template."""
     backend = getattr(tok, "backend_tokenizer", None)
@@ -182,7 +174,7 @@ def load_tokenized(
     """
     path = _source_file(source)
     if path is not None:
-        digest, parent = _file_digest(path), Path(cache_dir) if cache_dir else path.parent
+        digest, parent = sha256_file(path), Path(cache_dir) if cache_dir else path.parent
     elif cache_dir is not None:
         digest, parent = hashlib.sha256(json.dumps(source, sort_keys=True).encode()).hexdigest(), Path(cache_dir)
     else:

@@ -128,15 +128,24 @@ def from_hf_config(cfg: dict[str, Any], source: str = "config.json", dtype: str 
     )
 
 
-def load_hf_config(model_dir: str | Path, dtype: str | None = None) -> TargetConfig:
+def read_config_json(model_dir: str | Path, what: str = "an HF model directory", missing=None) -> dict:
+    """The JSON object of <model_dir>/config.json; a missing file raises `missing` (default ConfigError), bad JSON
+    or a non-object ConfigError, each naming the file."""
     path = Path(model_dir) / "config.json"
     if not path.is_file():
-        raise ConfigError(f"{path}: not found (expected an HF model directory with config.json)")
+        raise (missing or ConfigError)(f"{path}: not found (expected {what} with config.json)")
     try:
         raw = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path}: invalid JSON ({e})") from e
-    return from_hf_config(raw, source=str(path), dtype=dtype)
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a JSON object")
+    return raw
+
+
+def load_hf_config(model_dir: str | Path, dtype: str | None = None) -> TargetConfig:
+    raw = read_config_json(model_dir)
+    return from_hf_config(raw, source=str(Path(model_dir) / "config.json"), dtype=dtype)
 
 
 # Presets: the real targets DFlash drafters exist for, plus the embedded default. Values from their config.json.

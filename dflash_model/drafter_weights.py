@@ -8,7 +8,6 @@ first tensor is read, so a mismatch is an error naming it and never a half-loade
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dflash_model.config import ConfigError, TargetConfig
+from dflash_model.config import ConfigError, TargetConfig, read_config_json
 from dflash_model.drafter import Drafter, DrafterConfig, abstract_drafter, check_pairing
 from dflash_model.files import atomic_write_json
 from dflash_model.sharding import param_shardings
@@ -70,16 +69,7 @@ def _declared_dtype(raw: dict) -> str:
 
 
 def _read_config(model_dir: Path) -> dict:
-    path = model_dir / "config.json"
-    if not path.is_file():
-        raise CheckpointError(f"{path}: not found (expected a z-lab drafter directory with config.json)")
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: invalid JSON ({e})") from e
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: expected a JSON object")
-    return raw
+    return read_config_json(model_dir, "a z-lab drafter directory", missing=CheckpointError)
 
 
 def tensor_problems(source, cfg: DrafterConfig, declared_dtype: str | None) -> list[str]:

@@ -6,7 +6,9 @@ the fsync of the data and of the directory entry.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
+import hashlib
 import json
 import os
 import socket
@@ -15,15 +17,17 @@ import time
 from pathlib import Path
 
 
-def atomic_write_bytes(path: str | Path, data: bytes) -> None:
-    """Write `data` to `path` so that a reader (or a crash) sees the old file or the new one, never a torn one:
-    a temporary file in the same directory, fsynced, renamed over `path`, then the directory fsynced."""
+@contextlib.contextmanager
+def atomic_writer(path: str | Path):
+    """A binary file object whose contents replace `path` only when the block ends without an error, so a reader
+    (or a crash) sees the old file or the new one, never a torn one: a temporary file in the same directory,
+    fsynced, renamed over `path`, then the directory fsynced."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -35,6 +39,20 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    with atomic_writer(path) as f:
+        f.write(data)
+
+
+def sha256_file(path: str | Path) -> str:
+    """Hex sha256 of a file, read in 1 MiB pieces."""
+    h = hashlib.sha256()
+    with Path(path).open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:
