@@ -44,7 +44,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-DEFAULT_STD = 0.08  # train.trainer.load_target_model's init scale for random targets
+from dflash_model.target import RANDOM_INIT_STD  # noqa: E402
+
+DEFAULT_STD = RANDOM_INIT_STD  # what the Trainer builds for a random preset target
 
 
 @dataclasses.dataclass

@@ -7,6 +7,18 @@ import json
 from pathlib import Path
 from typing import Any
 
+import jax.numpy as jnp
+
+# Parameter / compute dtypes of targets and drafters, by the names config.json and the YAML configs use.
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def jnp_dtype(name: str):
+    if name not in DTYPES:
+        raise ConfigError(f"dtype={name!r}: expected one of {tuple(DTYPES)}")
+    return DTYPES[name]
+
+
 FAMILIES = ("qwen3", "llama")
 
 
@@ -51,8 +63,8 @@ class TargetConfig:
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_key_value_heads}"
             )
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ConfigError(f"dtype={self.dtype!r}: expected 'float32' or 'bfloat16'")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype={self.dtype!r}: expected one of {tuple(DTYPES)}")
 
     @property
     def qk_norm(self) -> bool:

@@ -24,12 +24,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dflash_model.config import PRESETS, ConfigError, RopeScaling, TargetConfig
+from dflash_model.config import DTYPES, PRESETS, ConfigError, RopeScaling, TargetConfig, jnp_dtype
 from dflash_model.layers import MASK_VALUE, apply_rope, rms_norm, rope_angles, rope_inv_freq, swiglu
 from dflash_model.target import KVCache, config_of, embed, lm_head, write_rows
 
 ATTENTION_TYPES = ("full_attention", "sliding_attention")
-DTYPES = ("float32", "bfloat16")
 
 
 def default_target_layer_ids(num_target_layers: int, n: int) -> list[int]:
@@ -90,7 +89,7 @@ class DrafterConfig:
                 f"num_key_value_heads={self.num_key_value_heads}"
             )
         if self.dtype not in DTYPES:
-            raise ConfigError(f"dtype={self.dtype!r}: expected one of {DTYPES}")
+            raise ConfigError(f"dtype={self.dtype!r}: expected one of {tuple(DTYPES)}")
         if self.block_size < 2:
             raise ConfigError(f"block_size={self.block_size}: a block needs the last token plus at least one mask")
         if not 0 <= self.mask_token_id < self.vocab_size:
@@ -395,10 +394,6 @@ def _param(value, sharding) -> nnx.Param:
     return nnx.Param(value, out_sharding=sharding, eager_sharding=False)
 
 
-def _jnp_dtype(name: str):
-    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
-
-
 class DraftAttention(nnx.Module):
     def __init__(self, cfg: DrafterConfig):
         d, q, g, h = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -446,7 +441,7 @@ class Drafter(nnx.Module):
 
 
 def _init(cfg: DrafterConfig):
-    dtype = _jnp_dtype(cfg.dtype)
+    dtype = jnp_dtype(cfg.dtype)
     return (lambda shape: jnp.zeros(shape, dtype)), (lambda shape: jnp.ones(shape, dtype))
 
 
@@ -464,7 +459,7 @@ def build_drafter(cfg: DrafterConfig, *, seed: int = 0, std: float = 0.02) -> Dr
     """
     drafter = Drafter(cfg)
     rng = np.random.default_rng(seed)
-    dtype = _jnp_dtype(cfg.dtype)
+    dtype = jnp_dtype(cfg.dtype)
     for _, param in nnx.iter_graph(drafter):
         if isinstance(param, nnx.Param) and param.get_value().ndim >= 2:
             shape = param.get_value().shape
@@ -492,7 +487,7 @@ def scale_output_norm(drafter: Drafter, target_model: nnx.Module, logit_std: flo
 
 
 def _dtype(drafter: Drafter):
-    return _jnp_dtype(drafter.config.dtype)
+    return jnp_dtype(drafter.config.dtype)
 
 
 def _check_target(drafter: Drafter, target_model: nnx.Module) -> None:

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dflash_model.config import ConfigError, TargetConfig, read_config_json
+from dflash_model.config import ConfigError, TargetConfig, jnp_dtype, read_config_json
 from dflash_model.drafter import Drafter, DrafterConfig, abstract_drafter, check_pairing
 from dflash_model.files import atomic_write_json
 from dflash_model.sharding import param_shardings
@@ -107,7 +107,7 @@ def load_drafter(
             f"Drafter parameter layout changed: {sorted(set(params) ^ {s.path for s in specs.values()})}"
         )
     shardings = None if mesh is None else param_shardings(drafter, mesh)
-    jdtype = jnp.bfloat16 if cfg.dtype == "bfloat16" else jnp.float32
+    jdtype = jnp_dtype(cfg.dtype)
     for name, spec in specs.items():
         value = spec.to_param(jnp.asarray(source.get(name))).astype(jdtype)
         check_finite(value, f"{model_dir / 'model.safetensors'}: {name}")
@@ -129,7 +129,7 @@ def export_drafter(drafter: Drafter, cfg: DrafterConfig, out_dir: str | Path, dt
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     params = {path: p for path, p in nnx.iter_graph(drafter) if isinstance(p, nnx.Param)}
-    jdtype = jnp.bfloat16 if dtype == "bfloat16" else jnp.float32
+    jdtype = jnp_dtype(dtype)
     tensors = {
         name: jnp.asarray(spec.to_hf(params[spec.path][...])).astype(jdtype)
         for name, spec in zlab_tensor_specs(out_cfg).items()

@@ -21,18 +21,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dflash_model.config import TargetConfig
+from dflash_model.config import TargetConfig, jnp_dtype
 from dflash_model.layers import apply_rope, attend, rms_norm, rope_angles, rope_inv_freq, swiglu
 
-
-def _jnp_dtype(name: str):
-    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
+# The init scale of a randomly initialised target (tests, tiny configs, random presets): logits O(1) at depth.
+RANDOM_INIT_STD = 0.08
 
 
 def build_target(cfg: TargetConfig, *, seed: int = 0) -> nnx.Module:
     """The Tunix module for `cfg` with Tunix's initialisation (use `nnx.eval_shape` for an abstract one)."""
     rngs = nnx.Rngs(seed)
-    dtype = _jnp_dtype(cfg.dtype)
+    dtype = jnp_dtype(cfg.dtype)
     if cfg.family == "qwen3":
         from tunix.models.qwen3 import model as qwen3
 
@@ -79,7 +78,7 @@ def _cast_params(model: nnx.Module, dtype) -> None:
             param.set_value(param[...].astype(dtype))
 
 
-def randomize(model: nnx.Module, seed: int = 0, std: float = 0.05) -> nnx.Module:
+def randomize(model: nnx.Module, seed: int = 0, std: float = RANDOM_INIT_STD) -> nnx.Module:
     """Fill every weight with N(0, std) and every norm with 1 + N(0, 0.1): Tunix zero-initialises the MLP,
     and a test model with zero MLPs or unit norms would hide bugs."""
     rng = np.random.default_rng(seed)
@@ -112,7 +111,7 @@ class KVCache:
     @classmethod
     def init(cls, cfg: TargetConfig, batch: int, capacity: int, dtype=None) -> KVCache:
         shape = (cfg.num_hidden_layers, batch, capacity, cfg.num_key_value_heads, cfg.head_dim)
-        dtype = dtype or _jnp_dtype(cfg.dtype)
+        dtype = dtype or jnp_dtype(cfg.dtype)
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
 
     @property
@@ -136,7 +135,7 @@ jax.tree_util.register_dataclass(TargetOutput, data_fields=["logits", "features"
 
 def embed(model: nnx.Module, tokens_BT):
     table = model.embedder.input_embedding[...]
-    return jnp.take(table, tokens_BT, axis=0).astype(_jnp_dtype(config_of(model).dtype))
+    return jnp.take(table, tokens_BT, axis=0).astype(jnp_dtype(config_of(model).dtype))
 
 
 def lm_head(model: nnx.Module, hidden_BTD):

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dflash_model.config import ConfigError, RopeScaling, TargetConfig, load_hf_config
+from dflash_model.config import ConfigError, RopeScaling, TargetConfig, jnp_dtype, load_hf_config
 from dflash_model.sharding import param_shardings
 from dflash_model.target import build_target, config_of
 
@@ -333,7 +333,7 @@ def load_into_module(source, cfg: TargetConfig, *, mesh=None) -> nnx.Module:
     abstract = nnx.eval_shape(lambda: build_target(cfg))
     shardings = None if mesh is None else param_shardings(abstract, mesh)
     params = {path: p for path, p in nnx.iter_graph(abstract) if isinstance(p, nnx.Param)}
-    dtype = jnp.bfloat16 if cfg.dtype == "bfloat16" else jnp.float32
+    dtype = jnp_dtype(cfg.dtype)
     specs = hf_tensor_specs(cfg)
     if set(params) != {s.path for s in specs.values()}:  # a Tunix layout change must not load silently
         raise RuntimeError(f"Tunix parameter layout changed: {sorted(set(params) ^ {s.path for s in specs.values()})}")
@@ -402,7 +402,7 @@ def save_hf_target(model: nnx.Module, out_dir: str | Path, dtype: str | None = N
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     params = {path: p for path, p in nnx.iter_graph(model) if isinstance(p, nnx.Param)}
-    jdtype = jnp.bfloat16 if cfg.dtype == "bfloat16" else jnp.float32
+    jdtype = jnp_dtype(cfg.dtype)
     tensors = {
         name: jnp.asarray(spec.to_hf(params[spec.path][...])).astype(jdtype)
         for name, spec in hf_tensor_specs(cfg).items()

@@ -58,7 +58,7 @@ def tiny_config(family: str, **changes):
 def tiny_target(family: str, seed: int = 0, **changes):
     from dflash_model.target import build_target, randomize
 
-    return randomize(build_target(tiny_config(family, **changes)), seed=seed, std=0.08)
+    return randomize(build_target(tiny_config(family, **changes)), seed=seed)
 
 
 @pytest.fixture(scope="session")

@@ -52,7 +52,7 @@ def tiny_drafter_config(**changes) -> DrafterConfig:
 
 
 def tiny_drafter(seed: int = 1, **changes):
-    return randomize(build_drafter(tiny_drafter_config(**changes)), seed=seed, std=0.08)
+    return randomize(build_drafter(tiny_drafter_config(**changes)), seed=seed)
 
 
 @pytest.fixture(scope="module")

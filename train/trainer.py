@@ -68,7 +68,7 @@ def load_target_model(cfg, mesh=None):
     # few dozen jitted functions only to be overwritten), then filled by randomize(), which also avoids the
     # all-zero MLPs Tunix starts from.
     model = nnx.eval_shape(lambda: build_target(tcfg, seed=int(cfg.seed)))
-    return randomize(model, seed=int(cfg.seed), std=0.08), None
+    return randomize(model, seed=int(cfg.seed)), None
 
 
 def drafter_config(cfg, target_cfg):
