@@ -108,4 +108,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    from dflash_model.cli import run_main
+
+    run_main(main)

@@ -175,3 +175,37 @@ def test_out_of_range_arguments_are_refused(flag, value, cli, tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main(args)
     assert exc.value.code == 2 and f"argument {flag}" in capsys.readouterr().err
+
+
+def test_bad_input_is_one_line_and_exit_2(tmp_path):
+    """A drafter directory that does not exist, or a target that is not one: one line naming it, exit 2."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "DFLASH_TRACEBACK"}
+    cases = [
+        (
+            [
+                "infer.eval",
+                "--target",
+                str(FIXTURES / "tiny_qwen3"),
+                "--draft",
+                str(tmp_path / "nope"),
+                "--dataset",
+                "gsm8k",
+                "--max-new-tokens",
+                "2",
+                "--out",
+                str(tmp_path / "o"),
+            ],
+            "--draft '",
+        ),
+        (
+            ["infer.generate", "--target", str(tmp_path / "nope"), "--prompt", "hi", "--max-new-tokens", "2"],
+            "expected an HF model directory",
+        ),
+    ]
+    for args, message in cases:
+        proc = subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, env=env)
+        assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-1500:]

@@ -31,7 +31,6 @@ def init_distributed() -> bool:
     (host:port of process 0) is set, with JAX_NUM_PROCESSES and JAX_PROCESS_ID; unset, they are auto-detected
     where JAX can (Slurm, Open MPI, Cloud TPU). Must run before anything touches a device. Without
     JAX_COORDINATOR_ADDRESS nothing happens: a single-process run. CPU processes talk over gloo (JAX's default)."""
-    import os
 
     addr = os.environ.get("JAX_COORDINATOR_ADDRESS")
     if not addr:
@@ -117,19 +116,12 @@ def main(argv: list[str] | None = None) -> dict:
 
 # A run stopped by SIGTERM / SIGINT saved its step and can resume, but it did not finish: a scheduler must see that.
 STOPPED_EXIT = 75  # EX_TEMPFAIL: "try again later"
-# Bad input (a config value, a missing file, a checkpoint of another run): one line naming it, no traceback.
-INPUT_ERROR_EXIT = 2
-INPUT_ERRORS = (ValueError, KeyError, FileNotFoundError, RuntimeError)
 
 
 if __name__ == "__main__":
-    try:
-        summary = main()
-    except INPUT_ERRORS as e:
-        if os.environ.get("DFLASH_TRACEBACK"):
-            raise
-        print(f"error: {e}\n(set DFLASH_TRACEBACK=1 for the traceback)", file=sys.stderr)
-        sys.exit(INPUT_ERROR_EXIT)
+    from dflash_model.cli import run_main
+
+    summary = run_main(main)
     if summary.get("stopped_by"):
         print(
             f"stopped by {summary['stopped_by']} at step {summary['step']} after checkpointing it; run the same "

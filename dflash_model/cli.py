@@ -1,0 +1,22 @@
+"""The entry points' common ending: bad input is one line naming it and exit 2, not a traceback."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# Errors that mean "your input is wrong" (a config value, a missing file, a checkpoint of another run, a lock held):
+# ConfigError and CheckpointError are ValueErrors. A bug raises something else and keeps its traceback.
+INPUT_ERRORS = (ValueError, KeyError, FileNotFoundError, RuntimeError)
+INPUT_ERROR_EXIT = 2
+
+
+def run_main(main, argv=None):
+    """main(argv) with input errors reported as `error: ...` on stderr and exit 2 (DFLASH_TRACEBACK=1 re-raises)."""
+    try:
+        return main(argv)
+    except INPUT_ERRORS as e:
+        if os.environ.get("DFLASH_TRACEBACK"):
+            raise
+        print(f"error: {e}\n(set DFLASH_TRACEBACK=1 for the traceback)", file=sys.stderr)
+        sys.exit(INPUT_ERROR_EXIT)
