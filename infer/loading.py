@@ -80,7 +80,8 @@ def load_draft_spec(
     zero_features: bool = False,
 ) -> Draft:
     """'none' (plain decoding), 'ngram' (prompt lookup), 'random' (untrained DFlash drafter preset for the
-    target) or a DFlash drafter directory. dtype: a directory's compute dtype (default: as saved);
+    target), a DFlash drafter directory, or 'hybrid:' + one of the last two (n-gram where it matches, else
+    DFlash). dtype: a directory's compute dtype (default: as saved);
     zero_features: the features.zero ablation (the drafter sees zeros instead of target features)."""
     if spec == "none":
         if block not in (None, 1):
@@ -89,13 +90,19 @@ def load_draft_spec(
     if spec == "ngram":
         k = block or NGRAM_BLOCK
         return Draft("ngram", proposers.NGramProposer(), None, k)
+    if spec.startswith("hybrid:"):
+        # Prompt lookup where the context has a match, this drafter's block elsewhere (proposers.HybridProposer).
+        inner = load_draft_spec(
+            spec.split(":", 1)[1], target_cfg, block, seed, dtype=dtype, zero_features=zero_features
+        )
+        return dataclasses.replace(inner, name="hybrid", proposer=proposers.HybridProposer(inner.proposer))
     from dflash_model import drafter_weights
 
     if spec == "random":
         cfg, drafter = random_drafter(target_cfg, seed=seed)
     else:
         if not Path(spec).is_dir():
-            raise ValueError(f"--draft {spec!r}: expected none, ngram, random or a drafter directory")
+            raise ValueError(f"--draft {spec!r}: expected none, ngram, random, a drafter directory or hybrid:DIR")
         cfg, drafter = drafter_weights.load_drafter(spec, target_cfg, dtype=dtype)
     return dflash_draft("random" if spec == "random" else "dflash", drafter, cfg, block, zero_features=zero_features)
 

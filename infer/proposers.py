@@ -1,4 +1,5 @@
-"""Draft proposers for the speculative engine: none (plain decoding), n-gram prompt lookup, DFlash.
+"""Draft proposers for the speculative engine: none (plain decoding), n-gram prompt lookup, DFlash, and the
+hybrid of the last two.
 
 A proposer is a small frozen (hashable) object, static under jit, whose methods are pure functions of
 explicit arguments; its parameters (if any) travel separately as a pytree `params`. The engine calls:
@@ -65,6 +66,12 @@ class NGramProposer:
         return state
 
     def propose(self, params, target, state, history_BC, n_B, k):
+        drafts, found_B = self.lookup(history_BC, n_B, k)
+        # No match: repeat the last token (free to verify, and right inside runs of one token).
+        return jnp.where(found_B[:, None], drafts, last_tokens(history_BC, n_B)[:, None]).astype(jnp.int32)
+
+    def lookup(self, history_BC, n_B, k):
+        """([B, k-1] the continuation of each row's latest earlier n-gram match, [B] bool whether one exists)."""
         b, c = history_BC.shape
         pos_C = jnp.arange(c, dtype=jnp.int32)
         hist_len = n_B[:, None]
@@ -85,8 +92,7 @@ class NGramProposer:
         period_B = jnp.maximum(n_B - 1 - best_B, 1)
         idx_BK = best_B[:, None] + 1 + jnp.arange(k - 1)[None, :] % period_B[:, None]
         drafts = jnp.take_along_axis(history_BC, jnp.clip(idx_BK, 0, c - 1), axis=1)
-        # No match: repeat the last token (free to verify, and right inside runs of one token).
-        return jnp.where(best_B[:, None] >= 0, drafts, last_tokens(history_BC, n_B)[:, None]).astype(jnp.int32)
+        return drafts.astype(jnp.int32), best_B >= 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,4 +133,40 @@ class DFlashProposer:
         return propose(params, target, state, last_tokens(history_BC, n_B), k).astype(jnp.int32)
 
 
-__all__ = ["DFlashProposer", "NGramProposer", "NoProposer", "last_tokens"]
+@dataclasses.dataclass(frozen=True)
+class HybridProposer:
+    """Prompt lookup where the context has a match, the DFlash block elsewhere, chosen per row and round.
+
+    A match costs nothing to find and, on repetitive text, its continuation is accepted far more often than a
+    weak drafter's block; without one the drafter's block beats repeating the last token. The drafter's context
+    cache is extended every round either way (its state is DFlash's), and when every row has a match the drafter
+    forward is skipped (`lax.cond`: at batch 1 a round then costs what an n-gram round costs).
+    """
+
+    dflash: DFlashProposer
+    ngram: NGramProposer = NGramProposer()
+    name: str = "hybrid"
+
+    @property
+    def layer_ids(self) -> tuple[int, ...]:
+        return self.dflash.layer_ids
+
+    def init(self, params, batch, capacity):
+        return self.dflash.init(params, batch, capacity)
+
+    def observe(self, params, state, feats_BTF, num_new_B):
+        return self.dflash.observe(params, state, feats_BTF, num_new_B)
+
+    def propose(self, params, target, state, history_BC, n_B, k):
+        import jax
+
+        looked_up, found_B = self.ngram.lookup(history_BC, n_B, k)
+        drafted = jax.lax.cond(
+            jnp.all(found_B),
+            lambda: looked_up,
+            lambda: self.dflash.propose(params, target, state, history_BC, n_B, k),
+        )
+        return jnp.where(found_B[:, None], looked_up, drafted).astype(jnp.int32)
+
+
+__all__ = ["DFlashProposer", "HybridProposer", "NGramProposer", "NoProposer", "last_tokens"]

@@ -233,3 +233,34 @@ def test_non_finite_logits_are_an_error_not_token_zero():
     param.set_value(param.get_value().at[prompts[0][3]].set(jnp.nan))
     with pytest.raises(FloatingPointError, match="NaN/inf logits"):
         Engine(target, NGramProposer(), block_size=4, max_new_tokens=4).generate(prompts)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_greedy_hybrid_equals_plain_greedy_and_looks_up_where_it_can(family):
+    """The hybrid proposer (n-gram where the context matches, DFlash elsewhere) is lossless at batch 2 and 1; a
+    row whose context matches gets the n-gram continuation (the round where every row matches skips the drafter)."""
+    from infer.proposers import HybridProposer
+
+    k = 8
+    prompts = _prompts(seed=1)
+    ref = _plain(family, prompts)
+    cfg, drafter = _tiny_drafter(family)
+    hybrid = Engine(_target(family), HybridProposer(DFlashProposer(cfg)), drafter, block_size=k, max_new_tokens=MAX_NEW)
+    out = hybrid.generate(prompts)
+    assert [g.tokens for g in out] == ref
+    for g in out:
+        _check_records(g, k)
+    single = [hybrid.generate([p])[0] for p in prompts]
+    assert [g.tokens for g in single] == ref
+    # Per row: the n-gram continuation where the history has a match, the drafter's block where it has none.
+    motif, rng = [5, 9, 13, 7], np.random.default_rng(5)
+    rows = [motif * 4, [int(t) for t in rng.permutation(500)[:16]]]  # a repeated motif; 16 distinct tokens
+    history, n = jnp.asarray(rows, jnp.int32), jnp.asarray([16, 16], jnp.int32)
+    hp = HybridProposer(DFlashProposer(cfg))
+    state = hp.init(drafter, 2, 16)
+    got = np.asarray(hp.propose(drafter, _target(family), state, history, n, k))
+    looked_up, found = hp.ngram.lookup(history, n, k)
+    assert np.asarray(found).tolist() == [True, False]
+    assert got[0].tolist() == np.asarray(looked_up)[0].tolist() == (motif * 2)[: k - 1]
+    drafted = np.asarray(hp.dflash.propose(drafter, _target(family), state, history, n, k))
+    assert got[1].tolist() == drafted[1].tolist()
