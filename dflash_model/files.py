@@ -25,6 +25,9 @@ def atomic_writer(path: str | Path):
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    umask = os.umask(0)
+    os.umask(umask)
+    os.fchmod(fd, 0o666 & ~umask)  # mkstemp makes 0600; the file gets the mode a plain open() would give it
     try:
         with os.fdopen(fd, "wb") as f:
             yield f
