@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 
@@ -158,8 +159,6 @@ class HybridProposer:
         return self.dflash.observe(params, state, feats_BTF, num_new_B)
 
     def propose(self, params, target, state, history_BC, n_B, k):
-        import jax
-
         looked_up, found_B = self.ngram.lookup(history_BC, n_B, k)
         drafted = jax.lax.cond(
             jnp.all(found_B),
