@@ -638,6 +638,12 @@ def draft_logits(drafter: Drafter, target_model: nnx.Module, cache: DraftCache, 
 def propose(drafter: Drafter, target_model: nnx.Module, cache: DraftCache, last_token_B, block_size: int):
     """[B, K-1] int32 greedy proposals: argmax at positions 1..K-1 of the block [last, MASK x (K-1)].
     `block_size` (static) may differ from the size the drafter was trained at."""
+    return propose_scored(drafter, target_model, cache, last_token_B, block_size)[0]
+
+
+def propose_scored(drafter: Drafter, target_model: nnx.Module, cache: DraftCache, last_token_B, block_size: int):
+    """([B, K-1] int32 greedy proposals, [B, K-1] fp32 the drafter's probability of each): `propose` plus the
+    confidence an adaptive verify width is chosen from (the drafter's marginal at each position)."""
     if block_size < 2:
         raise ValueError(f"block_size={block_size}: need at least 2 (the last token and one proposal)")
     b = last_token_B.shape[0]
@@ -645,7 +651,10 @@ def propose(drafter: Drafter, target_model: nnx.Module, cache: DraftCache, last_
     block = jnp.concatenate([jnp.asarray(last_token_B, jnp.int32)[:, None], mask], axis=1)
     hidden = _draft_hidden(drafter, target_model, cache, block)
     # Slot 0 only carries the last token; its logits are never used, so the lm_head skips it.
-    return jnp.argmax(lm_head(target_model, hidden[:, 1:]), axis=-1).astype(jnp.int32)
+    logits = lm_head(target_model, hidden[:, 1:])
+    tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    prob = jnp.exp(jnp.max(logits, axis=-1) - jax.nn.logsumexp(logits, axis=-1))
+    return tokens, prob
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_model.files import atomic_write_text
-from infer.loading import at_least, check_prompt_ids, load_draft_spec, load_target_spec
+from infer.loading import NGRAM_BLOCK, at_least, check_prompt_ids, load_draft_spec, load_target_spec
 from infer.plain import bucket_length
 from infer.spec import Engine
 
@@ -122,19 +122,52 @@ def _warm(engine: Engine, ids, lengths, key):
 
 
 def run_eval(
-    target_model, draft, prompts: list[list[int]], *, max_new_tokens: int, stop_ids=(), ids=None, progress: bool = True
+    target_model,
+    draft,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+    stop_ids=(),
+    ids=None,
+    progress: bool = True,
+    repeats: int = 1,
 ) -> dict:
     """Plain and speculative greedy decoding of each prompt at batch 1; returns the report dict."""
     return run_comparison(
-        target_model, [draft], prompts, max_new_tokens=max_new_tokens, stop_ids=stop_ids, ids=ids, progress=progress
+        target_model,
+        [draft],
+        prompts,
+        max_new_tokens=max_new_tokens,
+        stop_ids=stop_ids,
+        ids=ids,
+        progress=progress,
+        repeats=repeats,
     )[draft.name]
 
 
+def _predicted_s(engine: Engine, gen) -> float:
+    """Seconds the decode would take if a round cost exactly its parts timed alone (engine.costs): the verify at
+    the round's width plus the drafter forward where it ran. Decode time / this = the loop's overhead."""
+    verify = dict(zip(engine.costs["widths"], engine.costs["verify_ms"]))
+    widths = gen.verify_widths or [engine.block_size] * len(gen.accept_lengths)
+    drafted = gen.drafted or [engine.block_size > 1] * len(widths)
+    return 1e-3 * sum(verify[w] + (engine.costs["draft_ms"] if d else 0.0) for w, d in zip(widths, drafted))
+
+
 def run_comparison(
-    target_model, drafts, prompts: list[list[int]], *, max_new_tokens: int, stop_ids=(), ids=None, progress: bool = True
+    target_model,
+    drafts,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+    stop_ids=(),
+    ids=None,
+    progress: bool = True,
+    repeats: int = 1,
 ) -> dict[str, dict]:
-    """Each prompt decoded once plainly and once per draft (batch 1, greedy); {draft name: report}. Every
-    report compares against the same plain run, so the drafts' speedups share one baseline."""
+    """Each prompt decoded plainly and by every draft back to back (batch 1, greedy), `repeats` times, the order
+    reversed on every other repeat so that a drift in the machine's speed falls on both sides; {draft name:
+    report}. Every report compares against the same plain runs, so the drafts' speedups share one baseline."""
     from tqdm import tqdm
 
     names = [d.name for d in drafts]
@@ -149,11 +182,13 @@ def run_comparison(
             block_size=d.block_size,
             max_new_tokens=max_new_tokens,
             stop_ids=stop_ids,
+            adaptive=d.adaptive,
         )
         for d in drafts
     ]
     # Every prompt is padded to the longest one's bucket: one compile per engine instead of one per bucket
-    # (compiles dominate a short eval on a CPU); padding after the prompt changes no output.
+    # (compiles dominate a short eval on a CPU); padding after the prompt changes no output. The costs measured
+    # at these shapes (calibrate) hold for every prompt.
     width = bucket_length(max(len(p) for p in prompts))
     records = {d.name: [] for d in drafts}
     for i, prompt in enumerate(tqdm(prompts, desc="eval", disable=not progress, file=sys.stderr)):
@@ -162,10 +197,18 @@ def run_comparison(
         inputs = (jnp.asarray(ids_1P), jnp.asarray([len(prompt)], jnp.int32), jax.random.key(0))
         if i == 0:
             for engine in (plain, *specs):
+                engine.calibrate(*inputs)
                 _warm(engine, *inputs)
-        t_plain, g_plain = _timed_decode(plain, *inputs)
+        times = {id(e): [] for e in (plain, *specs)}
+        gens = {}
+        for r in range(repeats):
+            order = [plain, *specs] if r % 2 == 0 else [*specs, plain]
+            for engine in order:
+                t, gens[id(engine)] = _timed_decode(engine, *inputs)
+                times[id(engine)].append(t)
+        g_plain = gens[id(plain)]
         for d, spec in zip(drafts, specs):
-            t_spec, g_spec = _timed_decode(spec, *inputs)
+            g_spec = gens[id(spec)]
             records[d.name].append(
                 {
                     "id": ids[i] if ids else i,
@@ -173,23 +216,46 @@ def run_comparison(
                     "plain_tokens": g_plain.tokens,
                     "spec_tokens": g_spec.tokens,
                     "accept_lengths": g_spec.accept_lengths,
-                    "plain_decode_s": t_plain,
-                    "spec_decode_s": t_spec,
+                    "verify_widths": g_spec.verify_widths,
+                    "plain_decode_s": times[id(plain)],
+                    "spec_decode_s": times[id(spec)],
+                    "plain_predicted_s": _predicted_s(plain, g_plain),
+                    "spec_predicted_s": _predicted_s(spec, g_spec),
                 }
             )
-    return {d.name: summarize(records[d.name], d, max_new_tokens) for d in drafts}
+    out = {}
+    for d, spec in zip(drafts, specs):
+        out[d.name] = summarize(records[d.name], d, max_new_tokens)
+        out[d.name]["costs_ms"] = {"plain": plain.costs, d.name: spec.costs}
+    return out
+
+
+def _seconds(r: dict, key: str) -> list[float]:
+    """A record's decode times (one per repeat; older records hold a single float)."""
+    v = r[key]
+    return list(v) if isinstance(v, (list, tuple)) else [v]
 
 
 def summarize(records: list[dict], draft, max_new_tokens: int) -> dict:
     k = draft.block_size
     stats = acceptance_stats([a for r in records for a in r["accept_lengths"]], k)
+    widths = [w for r in records for w in r.get("verify_widths", [])]
     # Decode-only tokens: the first token of each answer comes from the prefill, the rest from the loop.
     plain_tok = sum(max(len(r["plain_tokens"]) - 1, 0) for r in records)
     spec_tok = sum(max(len(r["spec_tokens"]) - 1, 0) for r in records)
-    plain_s = sum(r["plain_decode_s"] for r in records)
-    spec_s = sum(r["spec_decode_s"] for r in records)
+    # Per repeat: the whole set's plain and speculative decode time. The headline numbers are their medians; the
+    # spread is their range.
+    repeats = min(len(_seconds(r, k_)) for r in records for k_ in ("plain_decode_s", "spec_decode_s"))
+    plain_rep = [sum(_seconds(r, "plain_decode_s")[i] for r in records) for i in range(repeats)]
+    spec_rep = [sum(_seconds(r, "spec_decode_s")[i] for r in records) for i in range(repeats)]
+    plain_s, spec_s = float(np.median(plain_rep)), float(np.median(spec_rep))
+    speedups = [p / s for p, s in zip(plain_rep, spec_rep) if s > 0]
     tpot_plain = 1e3 * plain_s / plain_tok if plain_tok else math.nan
     tpot_spec = 1e3 * spec_s / spec_tok if spec_tok else math.nan
+    overhead = {}
+    for side in ("plain", "spec"):
+        predicted = sum(r.get(f"{side}_predicted_s", math.nan) for r in records)
+        overhead[side] = (plain_s if side == "plain" else spec_s) / predicted if predicted else math.nan
     mismatches = []
     for r in records:
         p, s = r["plain_tokens"], r["spec_tokens"]
@@ -208,19 +274,30 @@ def summarize(records: list[dict], draft, max_new_tokens: int) -> dict:
     return {
         "draft": draft.name,
         "block_size": k,
+        "adaptive": bool(getattr(draft, "adaptive", False)),
         "prompts": len(records),
         "max_new_tokens": max_new_tokens,
         **stats,
+        "mean_verify_width": float(np.mean(widths)) if widths else float(k),
         "acceptance_note": "position j = j-th draft of a round; unconditional = #(accepted >= j) / rounds; "
-        "conditional = #(accepted >= j) / #(accepted >= j-1)",
+        "conditional = #(accepted >= j) / #(accepted >= j-1) (adaptive: rounds that verified fewer than j "
+        "drafts count as not accepting j)",
         "tpot_plain_ms": tpot_plain,
         "tpot_spec_ms": tpot_spec,
-        "speedup": tpot_plain / tpot_spec if spec_tok and plain_tok else math.nan,
+        "speedup": tpot_plain / tpot_spec if spec_tok and plain_tok and spec_s else math.nan,
+        "repeats": repeats,
+        # TPOT ratio per repeat: (plain s / plain tokens) / (spec s / spec tokens).
+        "speedup_per_repeat": [x * spec_tok / plain_tok for x in speedups] if spec_tok and plain_tok else [],
+        "loop_overhead": overhead["spec"],
+        "loop_overhead_plain": overhead["plain"],
+        "loop_overhead_note": "decode time / (sum over rounds of the verify at its width + the drafter forward "
+        "where it ran, each timed alone at the decode's shapes)",
         "tokens_per_s_plain": plain_tok / plain_s if plain_s else math.nan,
         "tokens_per_s_spec": spec_tok / spec_s if spec_s else math.nan,
         "decode_tokens_plain": plain_tok,
         "decode_tokens_spec": spec_tok,
-        "timing": "decode only (prefill excluded), batch 1, greedy, block_until_ready, compiled beforehand",
+        "timing": "decode only (prefill excluded), batch 1, greedy, block_until_ready, compiled beforehand; "
+        "plain and speculative interleaved prompt by prompt; medians over repeats",
         "lossless_mismatches": len(mismatches),
         "mismatch_examples": mismatches[:10],
         "per_prompt": records,
@@ -237,7 +314,8 @@ def format_table(rep: dict) -> str:
         f"| tau (mean committed per round, bonus incl.) | {rep['tau']:.3f} |",
         f"| TPOT plain (ms) | {rep['tpot_plain_ms']:.2f} |",
         f"| TPOT speculative (ms) | {rep['tpot_spec_ms']:.2f} |",
-        f"| speedup (decode only) | {rep['speedup']:.3f}x |",
+        f"| speedup (decode only) | {rep['speedup']:.3f}x {_spread(rep)} |",
+        f"| loop overhead (round / its parts timed alone) | {rep.get('loop_overhead', math.nan):.3f} |",
         f"| tokens/s plain / speculative | {rep['tokens_per_s_plain']:.2f} / {rep['tokens_per_s_spec']:.2f} |",
         f"| lossless mismatches (prompts) | {rep['lossless_mismatches']} / {rep['prompts']} |",
         "",
@@ -276,23 +354,33 @@ def plot_acceptance(rep: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def _spread(rep: dict) -> str:
+    """'(min-max over R repeats)' of the speedup, or '' for one repeat."""
+    per = rep.get("speedup_per_repeat") or []
+    return f"({min(per):.2f}-{max(per):.2f} over {len(per)})" if len(per) > 1 else ""
+
+
 def format_comparison(reports: dict[str, dict]) -> str:
     """One row per decoder, plain first: the table a run prints at its end."""
     first = next(iter(reports.values()))
     lines = [
-        f"{first['prompts']} prompts, up to {first['max_new_tokens']} new tokens, greedy, batch 1 "
-        f"(TPOT and speedup: decode only)",
-        "| decoder | K | tau | acc. pos 1 | acc. pos 2 | acc. pos 3 | TPOT ms | speedup | tokens/s | lossless |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
-        f"| plain | 1 | 1.000 | - | - | - | {first['tpot_plain_ms']:.1f} | 1.00x | "
-        f"{first['tokens_per_s_plain']:.2f} | - |",
+        f"{first['prompts']} prompts, up to {first['max_new_tokens']} new tokens, greedy, batch 1; decoders "
+        f"interleaved prompt by prompt, {first.get('repeats', 1)} repeat(s): TPOT and speedup are medians, decode "
+        "only, the range over repeats in brackets; width = mean tokens verified per round; overhead = decode time / "
+        "its verify and drafter forwards timed alone",
+        "| decoder | K | width | tau | acc. pos 1 | acc. pos 2 | acc. pos 3 | TPOT ms | speedup | overhead | tokens/s "
+        "| lossless |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        f"| plain | 1 | 1.0 | 1.000 | - | - | - | {first['tpot_plain_ms']:.1f} | 1.00x | "
+        f"{first.get('loop_overhead_plain', math.nan):.2f} | {first['tokens_per_s_plain']:.2f} | - |",
     ]
     for name, r in reports.items():
         acc = (list(r["acceptance_unconditional"]) + [math.nan] * 3)[:3]
         lines.append(
-            f"| {name} | {r['block_size']} | {r['tau']:.3f} | "
+            f"| {name} | {r['block_size']} | {r.get('mean_verify_width', r['block_size']):.1f} | {r['tau']:.3f} | "
             + " | ".join(f"{a:.3f}" for a in acc)
-            + f" | {r['tpot_spec_ms']:.1f} | {r['speedup']:.2f}x | {r['tokens_per_s_spec']:.2f} | "
+            + f" | {r['tpot_spec_ms']:.1f} | {r['speedup']:.2f}x {_spread(r)} | "
+            f"{r.get('loop_overhead', math.nan):.2f} | {r['tokens_per_s_spec']:.2f} | "
             f"{r['prompts'] - r['lossless_mismatches']}/{r['prompts']} equal |"
         )
     return "\n".join(lines)
@@ -327,10 +415,18 @@ def parse_args(argv=None):
     ap.add_argument("--target", required=True)
     ap.add_argument(
         "--draft",
-        required=True,
         action="append",
-        help="none | ngram | random | a drafter directory, optionally SPEC@K; repeat to compare several "
-        "in one interleaved run (one plain baseline)",
+        help="none | ngram | random | a drafter directory | hybrid:SPEC | adaptive:SPEC, optionally SPEC@K; "
+        "repeat to compare several in one interleaved run (one plain baseline)",
+    )
+    ap.add_argument(
+        "--compare",
+        metavar="DIR",
+        help="compare every decoder of one drafter directory in one interleaved table: n-gram (K=8), adaptive "
+        "n-gram (K=16), DFlash, adaptive DFlash, hybrid, adaptive hybrid (adds to --draft)",
+    )
+    ap.add_argument(
+        "--repeats", type=at_least(1), default=1, help="decode every prompt this many times (medians and range)"
     )
     ap.add_argument("--dataset", required=True, help="humaneval, gsm8k, mtbench or a .jsonl file")
     ap.add_argument("--limit", type=at_least(1), default=None, help="the first N prompts (default: all)")
@@ -340,7 +436,24 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0, help="init seed of --draft random")
     ap.add_argument("--out", required=True)
     ap.add_argument("--no-progress", action="store_true")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.compare:
+        args.draft = (args.draft or []) + compare_specs(args.compare)
+    if not args.draft:
+        ap.error("give --draft (one or more) or --compare DIR")
+    return args
+
+
+def compare_specs(drafter_dir: str) -> list[str]:
+    """The --draft values of `--compare DIR`: every way this project decodes with one drafter, and n-gram."""
+    return [
+        f"ngram@{NGRAM_BLOCK}",
+        "adaptive:ngram@16",
+        drafter_dir,
+        f"adaptive:{drafter_dir}",
+        f"hybrid:{drafter_dir}",
+        f"adaptive:hybrid:{drafter_dir}",
+    ]
 
 
 def _drafts(specs: list[str], target_cfg, block: int | None, seed: int):
@@ -379,6 +492,7 @@ def main(argv=None) -> dict:
             stop_ids=stop_ids,
             ids=[r["id"] for r in rows],
             progress=not args.no_progress,
+            repeats=args.repeats,
         )
         rep = {
             "command": " ".join(["python -m infer.eval", *(sys.argv[1:] if argv is None else argv)]),
@@ -404,6 +518,7 @@ def main(argv=None) -> dict:
         stop_ids=stop_ids,
         ids=[r["id"] for r in rows],
         progress=not args.no_progress,
+        repeats=args.repeats,
     )
     rep.update(target=str(target.path), dataset=args.dataset, device=str(jax.devices()[0]), dtype=target.config.dtype)
     atomic_write_text(out / "eval.json", json.dumps(rep, indent=1))

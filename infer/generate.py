@@ -23,7 +23,12 @@ def parse_args(argv=None):
         prog="python -m infer.generate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--target", required=True, help="HF model directory, .gguf file, or 'smollm2'")
-    ap.add_argument("--draft", default="none", help="drafter directory, none, ngram or random")
+    ap.add_argument(
+        "--draft",
+        default="none",
+        help="drafter directory, none, ngram, random, hybrid:SPEC (n-gram where it matches, else the drafter) or "
+        "adaptive:SPEC (verify a width chosen per round from measured costs)",
+    )
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-ids", help="comma-separated prompt token ids (used as given)")
@@ -76,12 +81,14 @@ def run(args) -> dict:
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         stop_ids=stop_ids,
+        adaptive=draft.adaptive,
     )
     gen = engine.generate([ids], seed=args.seed)[0]
     result = {
         "tokens": gen.tokens,
         "accept_lengths": gen.accept_lengths,
         "proposals": gen.proposals,
+        "verify_widths": gen.verify_widths,
         "prompt_ids": ids,
         "draft": draft.name,
         "block_size": draft.block_size,

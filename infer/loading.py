@@ -68,6 +68,7 @@ class Draft:
     proposer: Any
     params: Any
     block_size: int  # the K to use (the drafter's trained K unless --block says otherwise)
+    adaptive: bool = False  # verify a width chosen per round (infer.spec.choose_width), not always K
 
 
 def load_draft_spec(
@@ -81,8 +82,16 @@ def load_draft_spec(
 ) -> Draft:
     """'none' (plain decoding), 'ngram' (prompt lookup), 'random' (untrained DFlash drafter preset for the
     target), a DFlash drafter directory, or 'hybrid:' + one of the last two (n-gram where it matches, else
-    DFlash). dtype: a directory's compute dtype (default: as saved);
-    zero_features: the features.zero ablation (the drafter sees zeros instead of target features)."""
+    DFlash); 'adaptive:' before any but none verifies a width chosen per round. dtype: a directory's compute
+    dtype (default: as saved); zero_features: the features.zero ablation (the drafter sees zeros instead of
+    target features)."""
+    if spec.startswith("adaptive:"):
+        inner = load_draft_spec(
+            spec.split(":", 1)[1], target_cfg, block, seed, dtype=dtype, zero_features=zero_features
+        )
+        if inner.block_size < 2:
+            raise ValueError(f"--draft {spec!r}: plain decoding has no width to choose")
+        return dataclasses.replace(inner, name=f"adaptive-{inner.name}", adaptive=True)
     if spec == "none":
         if block not in (None, 1):
             raise ValueError("--draft none decodes one token per step: --block must be 1 or left out")

@@ -12,6 +12,8 @@ explicit arguments; its parameters (if any) travel separately as a pytree `param
   propose(params, target, state, history_BC, n_B, k) -> [B, k-1] int32
       history_BC[b, :n_B[b]] is the committed sequence; the block to fill is
       [history[b, n_B[b]-1], d_1 .. d_{k-1}] at positions n_B[b]-1 .. n_B[b]+k-2.
+  propose_scored(...same...) -> Proposal     (optional: what an adaptive verify width is chosen from; `scored`
+      gives proposers without it the defaults)
 
 Dimension letters: docs/glossary.md (one glossary for the repository).
 """
@@ -21,8 +23,31 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import flax
 import jax
 import jax.numpy as jnp
+
+# Where a row's drafts came from: an adaptive engine keeps a measured acceptance rate per source and position.
+SOURCES = ("drafter", "lookup", "repeat")
+DRAFTER, LOOKUP, REPEAT = range(len(SOURCES))
+
+
+@flax.struct.dataclass
+class Proposal:
+    tokens: jax.Array  # [B, K-1] int32 drafts
+    prob: jax.Array  # [B, K-1] fp32 the proposer's probability that each draft is the target's token; NaN = none
+    source: jax.Array  # [B] int32 index into SOURCES
+    drafted: jax.Array  # [] bool: a drafter forward ran this round (its cost was paid)
+
+
+def scored(proposer, params, target, state, history_BC, n_B, k) -> Proposal:
+    """`proposer.propose_scored` where it exists; otherwise its drafts with no confidence (NaN: the engine uses the
+    rate it measured), counted as the drafter's, whose forward ran."""
+    if hasattr(proposer, "propose_scored"):
+        return proposer.propose_scored(params, target, state, history_BC, n_B, k)
+    tokens = proposer.propose(params, target, state, history_BC, n_B, k)
+    b = tokens.shape[0]
+    return Proposal(tokens, jnp.full(tokens.shape, jnp.nan), jnp.full((b,), DRAFTER, jnp.int32), jnp.bool_(True))
 
 
 def last_tokens(history_BC, n_B):
@@ -67,9 +92,14 @@ class NGramProposer:
         return state
 
     def propose(self, params, target, state, history_BC, n_B, k):
+        return self.propose_scored(params, target, state, history_BC, n_B, k).tokens
+
+    def propose_scored(self, params, target, state, history_BC, n_B, k):
         drafts, found_B = self.lookup(history_BC, n_B, k)
         # No match: repeat the last token (free to verify, and right inside runs of one token).
-        return jnp.where(found_B[:, None], drafts, last_tokens(history_BC, n_B)[:, None]).astype(jnp.int32)
+        tokens = jnp.where(found_B[:, None], drafts, last_tokens(history_BC, n_B)[:, None]).astype(jnp.int32)
+        source = jnp.where(found_B, LOOKUP, REPEAT).astype(jnp.int32)
+        return Proposal(tokens, jnp.full(tokens.shape, jnp.nan), source, jnp.bool_(False))
 
     def lookup(self, history_BC, n_B, k):
         """([B, k-1] the continuation of each row's latest earlier n-gram match, [B] bool whether one exists)."""
@@ -127,11 +157,16 @@ class DFlashProposer:
         return extend_context(params, state, feats, num_new_B)
 
     def propose(self, params, target, state, history_BC, n_B, k):
-        from dflash_model.drafter import propose
+        return self.propose_scored(params, target, state, history_BC, n_B, k).tokens
+
+    def propose_scored(self, params, target, state, history_BC, n_B, k):
+        from dflash_model.drafter import propose_scored
 
         if k > self.config.block_size:
             raise ValueError(f"block size {k} is larger than the drafter's trained K={self.config.block_size}")
-        return propose(params, target, state, last_tokens(history_BC, n_B), k).astype(jnp.int32)
+        tokens, prob = propose_scored(params, target, state, last_tokens(history_BC, n_B), k)
+        b = tokens.shape[0]
+        return Proposal(tokens.astype(jnp.int32), prob, jnp.full((b,), DRAFTER, jnp.int32), jnp.bool_(True))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,13 +194,33 @@ class HybridProposer:
         return self.dflash.observe(params, state, feats_BTF, num_new_B)
 
     def propose(self, params, target, state, history_BC, n_B, k):
+        return self.propose_scored(params, target, state, history_BC, n_B, k).tokens
+
+    def propose_scored(self, params, target, state, history_BC, n_B, k):
         looked_up, found_B = self.ngram.lookup(history_BC, n_B, k)
-        drafted = jax.lax.cond(
-            jnp.all(found_B),
-            lambda: looked_up,
-            lambda: self.dflash.propose(params, target, state, history_BC, n_B, k),
+        every_row_matched = jnp.all(found_B)
+        model = jax.lax.cond(
+            every_row_matched,
+            lambda: Proposal(
+                looked_up, jnp.full(looked_up.shape, jnp.nan), jnp.full(found_B.shape, LOOKUP, jnp.int32), jnp.bool_(0)
+            ),
+            lambda: self.dflash.propose_scored(params, target, state, history_BC, n_B, k),
         )
-        return jnp.where(found_B[:, None], looked_up, drafted).astype(jnp.int32)
+        return Proposal(
+            jnp.where(found_B[:, None], looked_up, model.tokens).astype(jnp.int32),
+            jnp.where(found_B[:, None], jnp.nan, model.prob),
+            jnp.where(found_B, LOOKUP, DRAFTER).astype(jnp.int32),
+            ~every_row_matched,
+        )
 
 
-__all__ = ["DFlashProposer", "HybridProposer", "NGramProposer", "NoProposer", "last_tokens"]
+__all__ = [
+    "SOURCES",
+    "DFlashProposer",
+    "HybridProposer",
+    "NGramProposer",
+    "NoProposer",
+    "Proposal",
+    "last_tokens",
+    "scored",
+]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import time
 from typing import Any
 
 import flax
@@ -26,7 +27,7 @@ import numpy as np
 
 from dflash_model.target import KVCache, config_of, forward
 from infer.plain import pad_prompts, truncate_at_stop
-from infer.proposers import NoProposer
+from infer.proposers import SOURCES, NoProposer, scored
 
 # Trace counts of the jitted steps (incremented only while tracing): tests check one compile per shape bucket.
 TRACES: collections.Counter = collections.Counter()
@@ -45,6 +46,12 @@ class DecodeState:
     rounds: jax.Array  # [] verify rounds run so far
     accept: jax.Array  # [B, I] tokens committed by each verify round, bonus included (0 = row was done)
     proposals: jax.Array  # [B, I, K-1] the drafts of each round
+    widths: jax.Array  # [I] tokens verified by each round (the last token and widths - 1 drafts)
+    drafted: jax.Array  # [I] bool: the round ran a drafter forward (the hybrid skips it when every row matched)
+    tries: jax.Array  # [sources, K-1] adaptive: rounds where draft j was verified after drafts 1..j-1 were accepted
+    hits: jax.Array  # [sources, K-1] adaptive: ... and draft j was accepted too
+    verify_ms_Z: jax.Array  # [Z] adaptive: measured cost of verifying each candidate width (data: no recompile)
+    draft_ms: jax.Array  # [] adaptive: measured cost of the drafter's forward
     nonfinite: jax.Array  # [] bool: some target logit was NaN or inf (its argmax, token 0, would be reported)
 
 
@@ -68,23 +75,81 @@ def _is_stop(tokens, stop_Y):
     return jnp.any(tokens[..., None] == stop_Y, axis=-1)
 
 
-def _round(target, proposer, params, st: DecodeState, *, k, temperature, max_new) -> DecodeState:
-    """One draft -> verify -> accept -> commit round for every row (finished rows run along, change nothing)."""
-    b = st.n.shape[0]
-    start = st.n - 1
-    last = jnp.take_along_axis(st.history, start[:, None], axis=1)[:, 0]
-    drafts = proposer.propose(params, target, st.draft, st.history, st.n, k)  # [B, K-1]
+def choose_width(conf_BJ, live_B, widths: tuple[int, ...], cost_Z):
+    """Index into `widths` of the verify width with the most expected committed tokens per unit of cost.
 
-    # Verify: one target forward over the block from the cache at `start` (its lengths == start).
-    out = forward(target, jnp.concatenate([last[:, None], drafts], axis=1), st.cache, layer_ids=proposer.layer_ids)
+    conf_BJ[b, j-1]: probability that draft j of row b is right given drafts 1..j-1 were (a row's K-1 drafts);
+    verifying w tokens commits 1 + sum_{j < w} prod_{i <= j} conf[b, i-1] in expectation (the bonus plus the
+    accepted drafts). cost_Z: the round's cost at each width (same unit). Rows that are done count for nothing.
+    """
+    reach_BJ = jnp.cumprod(conf_BJ, axis=1)  # P(drafts 1..j all accepted)
+    expected_BK = 1.0 + jnp.concatenate([jnp.zeros_like(reach_BJ[:, :1]), jnp.cumsum(reach_BJ, axis=1)], axis=1)
+    expected_BZ = expected_BK[:, jnp.asarray(widths) - 1]
+    rate_Z = jnp.sum(jnp.where(live_B[:, None], expected_BZ, 0.0), axis=0) / cost_Z
+    return jnp.argmax(rate_Z).astype(jnp.int32)
+
+
+def _verify(target, proposer, st: DecodeState, last_B, drafts_BJ, key, *, width, k, temperature):
+    """Target forward over [last, d_1 .. d_{width-1}] from the cache at `start`; the target's tokens and the
+    layer features padded to K (so every width returns one shape), the accepted count, the grown cache."""
+    out = forward(
+        target,
+        jnp.concatenate([last_B[:, None], drafts_BJ[:, : width - 1]], axis=1),
+        st.cache,
+        layer_ids=proposer.layer_ids,
+    )
     # target_tok[:, j] ~ p(x_{start+j+1} | committed, d_1..d_j). Greedy: argmax. T > 0: an independent sample
     # per position; drafts stay greedy, so accepting d_{j+1} iff it equals the sample is rejection sampling
     # with a one-hot proposal (accept w.p. p(d), else a sample from p restricted to x != d): lossless.
-    target_tok = _pick(out.logits, temperature, jax.random.fold_in(st.key, st.rounds))
-    a = accept_length(drafts, target_tok)
+    TRACES[f"verify@{width}"] += 1
+    target_tok = _pick(out.logits, temperature, key)
+    a = accept_length(drafts_BJ[:, : width - 1], target_tok)
+    pad = k - width
+    feats = None if out.features is None else jnp.pad(out.features, ((0, 0), (0, pad), (0, 0)))
+    nonfinite = ~jnp.all(jnp.isfinite(out.logits))
+    return jnp.pad(target_tok, ((0, 0), (0, pad))), a, feats, out.cache, nonfinite
+
+
+def _round(target, proposer, params, st: DecodeState, *, k, temperature, max_new, widths) -> DecodeState:
+    """One draft -> verify -> accept -> commit round for every row (finished rows run along, change nothing).
+
+    widths None: every round verifies the whole block of K. Otherwise the round verifies the first w of it, w
+    from `widths` (each a branch of one lax.switch, so each compiles once) chosen by `choose_width` from the
+    proposer's confidence (or, where it has none, the acceptance measured so far for the row's source) and the
+    measured cost of a round at each width."""
+    b = st.n.shape[0]
+    start = st.n - 1
+    last = jnp.take_along_axis(st.history, start[:, None], axis=1)[:, 0]
+    key = jax.random.fold_in(st.key, st.rounds)
+    live = ~st.done
+    if widths is None:
+        drafts = proposer.propose(params, target, st.draft, st.history, st.n, k)  # [B, K-1]
+        target_tok, a, feats, cache, nonfinite = _verify(
+            target, proposer, st, last, drafts, key, width=k, k=k, temperature=temperature
+        )
+        width = jnp.int32(k)
+        drafted = jnp.bool_(True)
+        tries, hits = st.tries, st.hits
+    else:
+        prop = scored(proposer, params, target, st.draft, st.history, st.n, k)
+        drafts, drafted = prop.tokens, prop.drafted
+        # Where the proposer has no probability: the measured rate of its source, (hits + 1) / (tries + 2).
+        measured_BJ = ((st.hits + 1.0) / (st.tries + 2.0))[prop.source]
+        conf = jnp.where(jnp.isnan(prop.prob), measured_BJ, prop.prob)
+        cost_Z = st.verify_ms_Z + jnp.where(drafted, st.draft_ms, 0.0)
+        choice = choose_width(conf, live, widths, cost_Z)
+        branches = [functools.partial(_verify, target, proposer, width=w, k=k, temperature=temperature) for w in widths]
+        target_tok, a, feats, cache, nonfinite = jax.lax.switch(choice, branches, st, last, drafts, key)
+        width = jnp.asarray(widths, jnp.int32)[choice]
+        # Draft j was tried when it was verified and drafts 1..j-1 were accepted; hit when it was accepted too.
+        j = jnp.arange(1, k)[None, :]
+        tried_BJ = (live[:, None] & (j < width) & (a[:, None] >= j - 1)).astype(jnp.float32)
+        hit_BJ = tried_BJ * (a[:, None] >= j)
+        by_source = jax.nn.one_hot(prop.source, len(SOURCES), dtype=jnp.float32)  # [B, sources]
+        tries, hits = st.tries + by_source.T @ tried_BJ, st.hits + by_source.T @ hit_BJ
 
     # Commit target_tok[:, :a+1]: the first a equal the accepted drafts, target_tok[:, a] is the bonus (the
-    # target's own token at the first mismatch, or after all K-1 drafts). Cut after a committed stop token.
+    # target's own token at the first mismatch, or after all verified drafts). Cut after a committed stop token.
     j = jnp.arange(k)
     stop_hit = _is_stop(target_tok, st.stop_ids) & (j[None, :] <= a[:, None])
     first_stop = jnp.min(jnp.where(stop_hit, j[None, :], k), axis=1)
@@ -96,8 +161,8 @@ def _round(target, proposer, params, st: DecodeState, *, k, temperature, max_new
 
     # Roll both caches back to the committed length n - 1: the target drops the K/V of rejected drafts; the
     # drafter gets the features of exactly the num_new committed positions start .. start+num_new-1.
-    cache = out.cache.crop(n - 1)
-    draft = proposer.observe(params, st.draft, out.features, num_new)
+    cache = cache.crop(n - 1)
+    draft = proposer.observe(params, st.draft, feats, num_new)
 
     done = st.done | jnp.any(stop_hit, axis=1) | (n - st.prompt_len >= max_new)
     return st.replace(
@@ -109,11 +174,17 @@ def _round(target, proposer, params, st: DecodeState, *, k, temperature, max_new
         rounds=st.rounds + 1,
         accept=st.accept.at[:, st.rounds].set(jnp.where(st.done, 0, a + 1)),
         proposals=st.proposals.at[jnp.arange(b), st.rounds].set(drafts),
-        nonfinite=st.nonfinite | ~jnp.all(jnp.isfinite(out.logits)),
+        widths=st.widths.at[st.rounds].set(width),
+        drafted=st.drafted.at[st.rounds].set(drafted),
+        tries=tries,
+        hits=hits,
+        nonfinite=st.nonfinite | nonfinite,
     )
 
 
-def _prefill_impl(target, proposer, params, ids_BP, lengths_B, key, stop_Y, *, k, temperature, max_new):
+def _prefill_impl(
+    target, proposer, params, ids_BP, lengths_B, key, stop_Y, verify_ms_Z, draft_ms, *, k, temperature, max_new, widths
+):
     TRACES["prefill"] += 1
     b, p = ids_BP.shape
     capacity = p + max_new + k
@@ -142,22 +213,60 @@ def _prefill_impl(target, proposer, params, ids_BP, lengths_B, key, stop_Y, *, k
         rounds=jnp.int32(0),
         accept=jnp.zeros((b, rounds), jnp.int32),
         proposals=jnp.zeros((b, rounds, k - 1), jnp.int32),
+        widths=jnp.zeros((rounds,), jnp.int32),
+        drafted=jnp.zeros((rounds,), bool),
+        tries=jnp.zeros((len(SOURCES), k - 1), jnp.float32),
+        hits=jnp.zeros((len(SOURCES), k - 1), jnp.float32),
+        verify_ms_Z=jnp.asarray(verify_ms_Z, jnp.float32),
+        draft_ms=jnp.asarray(draft_ms, jnp.float32),
         nonfinite=~jnp.all(jnp.isfinite(out.logits)),
     )
 
 
-def _decode_impl(target, proposer, params, st, *, k, temperature, max_new):
+def _decode_impl(target, proposer, params, st, *, k, temperature, max_new, widths):
     TRACES["decode"] += 1
-    step = functools.partial(_round, target, proposer, params, k=k, temperature=temperature, max_new=max_new)
+    step = functools.partial(
+        _round, target, proposer, params, k=k, temperature=temperature, max_new=max_new, widths=widths
+    )
     max_rounds = st.accept.shape[1]
     return jax.lax.while_loop(lambda s: (s.rounds < max_rounds) & ~jnp.all(s.done), step, st)
 
 
 # Modules (target, DFlash drafter) are jit arguments as pytrees: their GraphDefs cannot be static arguments
 # because Tunix's ModelConfig, held in them, is unhashable.
-_STATIC = ("proposer", "k", "temperature", "max_new")
+_STATIC = ("proposer", "k", "temperature", "max_new", "widths")
 _prefill = jax.jit(_prefill_impl, static_argnames=_STATIC)
 _decode = jax.jit(_decode_impl, static_argnames=_STATIC, donate_argnames=("st",))
+
+
+def default_widths(k: int) -> tuple[int, ...]:
+    """Candidate verify widths for an adaptive engine of block size K: 1 (a plain step), powers of two, K."""
+    return tuple(sorted({1, k, *(w for w in (2, 4, 8, 16, 32, 64) if w < k)}))
+
+
+# Cost probes: one verify at a given width, and the drafter's forward, each alone at the decode's shapes (the
+# state after prefill; nothing donated, so the state is reused). They calibrate the adaptive width choice and are
+# the denominator of the loop-overhead ratio.
+@functools.partial(jax.jit, static_argnames=("proposer", "width", "k"))
+def _probe_verify(target, proposer, st, *, width, k):
+    last = jnp.take_along_axis(st.history, (st.n - 1)[:, None], axis=1)[:, 0]
+    drafts = jnp.zeros((st.n.shape[0], k - 1), jnp.int32)
+    return _verify(target, proposer, st, last, drafts, st.key, width=width, k=k, temperature=0.0)
+
+
+@functools.partial(jax.jit, static_argnames=("proposer", "k"))
+def _probe_draft(target, proposer, params, st, *, k):
+    return proposer.propose(params, target, st.draft, st.history, st.n, k)
+
+
+def _median_ms(fn, reps: int) -> float:
+    jax.block_until_ready(fn())  # compile
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t)
+    return 1e3 * float(np.median(times))
 
 
 @dataclasses.dataclass
@@ -165,10 +274,17 @@ class Generation:
     tokens: list[int]  # generated ids after the prompt, cut after the first stop id and at max_new_tokens
     accept_lengths: list[int]  # committed tokens per verify round, bonus included (before that cut)
     proposals: list[list[int]]  # the K-1 drafted ids of each round
+    verify_widths: list[int] = dataclasses.field(default_factory=list)  # tokens verified by each round
+    drafted: list[bool] = dataclasses.field(default_factory=list)  # whether each round ran a drafter forward
 
 
 class Engine:
-    """A target + proposer + block size: `generate(prompts)`, or `prefill` and `decode` separately (timing)."""
+    """A target + proposer + block size: `generate(prompts)`, or `prefill` and `decode` separately (timing).
+
+    adaptive: verify only the first w tokens of each round's block, w in `widths` (default `default_widths(K)`)
+    chosen per round by `choose_width` from the costs `calibrate` measures at the decode's own shapes (`generate`
+    calibrates on its first call; call it yourself before `prefill` to time decode alone).
+    """
 
     def __init__(
         self,
@@ -180,6 +296,8 @@ class Engine:
         max_new_tokens: int,
         temperature: float = 0.0,
         stop_ids=(),
+        adaptive: bool = False,
+        widths: tuple[int, ...] | None = None,
     ):
         proposer = proposer or NoProposer()
         if block_size < 1:
@@ -192,7 +310,18 @@ class Engine:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         self.target = target
         self.proposer, self.params = proposer, params
-        self.static = dict(k=int(block_size), temperature=float(temperature), max_new=int(max_new_tokens))
+        k = int(block_size)
+        if widths is not None and not adaptive:
+            raise ValueError("widths are the candidates of an adaptive engine: pass adaptive=True with them")
+        if adaptive:
+            widths = tuple(sorted({int(w) for w in (widths or default_widths(k))}))
+            if not 1 <= widths[0] <= widths[-1] <= k or len(widths) < 2:
+                raise ValueError(
+                    f"adaptive widths must be at least two values in 1..{k} (the block size), got {widths}"
+                )
+        self.static = dict(k=k, temperature=float(temperature), max_new=int(max_new_tokens), widths=widths)
+        # Costs (ms) of a verify at each candidate width and of the drafter's forward; `calibrate` measures them.
+        self.costs: dict | None = None
         self.stop_ids = tuple(sorted({int(s) for s in stop_ids}))
         slots = 8 * max(1, -(-len(self.stop_ids) // 8))  # a few fixed sizes: the set is data, not a shape
         self.stop_Y = jnp.asarray(list(self.stop_ids) + [-1] * (slots - len(self.stop_ids)), jnp.int32)
@@ -201,8 +330,48 @@ class Engine:
     def block_size(self) -> int:
         return self.static["k"]
 
+    @property
+    def widths(self) -> tuple[int, ...]:
+        """The verify widths this engine may use: its candidates, or the block size alone."""
+        return self.static["widths"] or (self.block_size,)
+
     def prefill(self, ids_BP, lengths_B, key) -> DecodeState:
-        return _prefill(self.target, self.proposer, self.params, ids_BP, lengths_B, key, self.stop_Y, **self.static)
+        if self.static["widths"] is not None and self.costs is None:
+            raise RuntimeError("an adaptive engine chooses widths from measured costs: call calibrate() first")
+        costs = self.costs or {"verify_ms": [0.0] * len(self.widths), "draft_ms": 0.0}
+        return _prefill(
+            self.target,
+            self.proposer,
+            self.params,
+            ids_BP,
+            lengths_B,
+            key,
+            self.stop_Y,
+            jnp.asarray(costs["verify_ms"], jnp.float32),
+            jnp.float32(costs["draft_ms"]),
+            **self.static,
+        )
+
+    def calibrate(self, ids_BP, lengths_B, key, reps: int = 5) -> dict:
+        """Time, at these inputs' decode shapes, a verify forward at each width and the drafter's forward, each
+        alone (median of `reps` after a compile run): {"verify_ms": [per width], "draft_ms": float}. Attention
+        runs over the whole cache capacity, so the shapes, not the prompt's length, set the cost."""
+        self.costs = {"verify_ms": [0.0] * len(self.widths), "draft_ms": 0.0}
+        st = self.prefill(ids_BP, lengths_B, key)
+        k = self.block_size
+        verify_ms = [
+            _median_ms(lambda w=w: _probe_verify(self.target, self.proposer, st, width=w, k=k), reps)
+            for w in self.widths
+        ]
+        # The cost of the model forward a round may pay: the hybrid's is its drafter's; n-gram lookup is nearly free.
+        model = getattr(self.proposer, "dflash", self.proposer)
+        draft_ms = 0.0
+        if k > 1:
+            draft_ms = _median_ms(lambda: _probe_draft(self.target, model, self.params, st, k=k), reps)
+        # A wider verify never costs less; a measured dip is noise, and would make the choice chase it.
+        verify_ms = np.maximum.accumulate(verify_ms).tolist()
+        self.costs = {"widths": list(self.widths), "verify_ms": verify_ms, "draft_ms": draft_ms}
+        return self.costs
 
     def decode(self, state: DecodeState) -> DecodeState:
         """The whole decode loop on device (the state's buffers are donated: do not reuse `state`)."""
@@ -214,8 +383,17 @@ class Engine:
         return jnp.asarray(ids), jnp.asarray(lengths), jax.random.key(seed)
 
     def results(self, state: DecodeState) -> list[Generation]:
-        history, plen, n, accept, proposals, nonfinite = jax.device_get(
-            (state.history, state.prompt_len, state.n, state.accept, state.proposals, state.nonfinite)
+        history, plen, n, accept, proposals, widths, drafted, nonfinite = jax.device_get(
+            (
+                state.history,
+                state.prompt_len,
+                state.n,
+                state.accept,
+                state.proposals,
+                state.widths,
+                state.drafted,
+                state.nonfinite,
+            )
         )
         if nonfinite:
             # Target and drafter would both "agree" on argmax(NaN) = 0: a perfect tau for garbage.
@@ -229,10 +407,17 @@ class Engine:
             rounds = int(np.count_nonzero(accept[b]))
             out.append(
                 Generation(
-                    truncate_at_stop(tokens, self.stop_ids), accept[b, :rounds].tolist(), proposals[b, :rounds].tolist()
+                    truncate_at_stop(tokens, self.stop_ids),
+                    accept[b, :rounds].tolist(),
+                    proposals[b, :rounds].tolist(),
+                    widths[:rounds].tolist(),
+                    drafted[:rounds].tolist(),
                 )
             )
         return out
 
     def generate(self, prompts: list[list[int]], seed: int = 0) -> list[Generation]:
-        return self.results(self.decode(self.prefill(*self.inputs(prompts, seed))))
+        inputs = self.inputs(prompts, seed)
+        if self.static["widths"] is not None and self.costs is None:
+            self.calibrate(*inputs)
+        return self.results(self.decode(self.prefill(*inputs)))

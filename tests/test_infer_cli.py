@@ -91,6 +91,29 @@ def test_eval_cli_on_a_jsonl_of_prompt_ids(tmp_path, capsys):
     assert (out / "acceptance.png").stat().st_size > 1000
     assert "tau (mean committed per round" in capsys.readouterr().out
     assert rep["per_prompt"][0]["id"] == "p0"
+    # The loop overhead: decode time over its verify forwards timed alone; a finite positive ratio.
+    assert 0 < saved["loop_overhead"] < 100 and saved["costs_ms"]["plain"]["widths"] == [1]
+
+
+def test_eval_compares_adaptive_and_fixed_with_repeats(tmp_path):
+    """Two decoders and plain interleaved, 2 repeats: one table, the speedup the median of the per-repeat
+    ratios, every decoder lossless, the adaptive one verifying a width from its candidates each round."""
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("\n".join(json.dumps({"id": f"p{i}", "prompt_ids": PROMPT[i:] + PROMPT}) for i in range(2)))
+    out = tmp_path / "out"
+    args = ["--target", str(FIXTURES / "tiny_qwen3"), "--dataset", str(data), "--max-new-tokens", "12"]
+    args += ["--draft", "ngram@4", "--draft", "adaptive:ngram@4", "--repeats", "2", "--out", str(out), "--no-progress"]
+    rep = ev.main(args)["reports"]
+    assert set(rep) == {"ngram", "adaptive-ngram"}
+    for r in rep.values():
+        assert r["lossless_mismatches"] == 0 and r["repeats"] == 2 and len(r["speedup_per_repeat"]) == 2
+        assert min(r["speedup_per_repeat"]) <= r["speedup"] <= max(r["speedup_per_repeat"])
+        assert all(len(p["spec_decode_s"]) == 2 for p in r["per_prompt"])
+    widths = [w for p in rep["adaptive-ngram"]["per_prompt"] for w in p["verify_widths"]]
+    assert set(widths) <= {1, 2, 4} and rep["adaptive-ngram"]["costs_ms"]["adaptive-ngram"]["widths"] == [1, 2, 4]
+    assert rep["ngram"]["mean_verify_width"] == 4.0
+    assert "| adaptive-ngram | 4 |" in (out / "table.md").read_text()
+    assert ev.compare_specs("D") == ["ngram@8", "adaptive:ngram@16", "D", "adaptive:D", "hybrid:D", "adaptive:hybrid:D"]
 
 
 def test_eval_counts_lossless_mismatches():
@@ -116,6 +139,12 @@ def test_eval_counts_lossless_mismatches():
     assert rep["lossless_mismatches"] == 1
     assert rep["mismatch_examples"][0]["id"] == "b" and rep["mismatch_examples"][0]["first_diff"] == 2
     assert rep["tpot_plain_ms"] == pytest.approx(1e3 * 2.5 / 5) and rep["speedup"] == pytest.approx(5 / 3)
+    # Repeats: the set's time per repeat, its median, and the speedup of each repeat (here 5/3, 2.5/2.5, 5/2).
+    for r, plain, spec in zip(recs, ([1.0, 1.0, 2.0], [1.5, 1.5, 3.0]), ([0.5, 1.0, 1.0], [1.0, 1.5, 1.0])):
+        r["plain_decode_s"], r["spec_decode_s"] = plain, spec
+    rep = ev.summarize(recs, Draft("ngram", NGramProposer(), None, 2), max_new_tokens=4)
+    assert rep["repeats"] == 3 and rep["speedup_per_repeat"] == pytest.approx([5 / 3, 1.0, 2.5])
+    assert rep["tpot_plain_ms"] == pytest.approx(1e3 * 2.5 / 5) and rep["tpot_spec_ms"] == pytest.approx(1e3 * 2.0 / 5)
 
 
 @pytest.mark.slow

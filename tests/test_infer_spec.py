@@ -154,6 +154,17 @@ class OracleMix:
         truth = jnp.take_along_axis(params["ref"], (n - params["plen"])[:, None] + j, axis=1)
         return jnp.where(truth % 3 == 0, drafts, truth)
 
+    def propose_scored(self, params, target, state, history, n, k):
+        """The same drafts, with confidence 0.95 where the true token was put in and 0.05 where the drafter's
+        stands (an adaptive engine then verifies up to about the first drafter's draft)."""
+        from infer.proposers import Proposal
+
+        prop = self.inner.propose_scored(params["drafter"], target, state, history, n, k)
+        j = jnp.arange(k - 1)[None, :]
+        truth = jnp.take_along_axis(params["ref"], (n - params["plen"])[:, None] + j, axis=1)
+        ours = truth % 3 == 0
+        return prop.replace(tokens=jnp.where(ours, prop.tokens, truth), prob=jnp.where(ours, 0.05, 0.95))
+
 
 @pytest.mark.parametrize("family,k,batch_one", [("qwen3", 16, True), ("llama", 4, False)])
 def test_greedy_dflash_equals_plain_greedy(family, k, batch_one):
@@ -264,3 +275,59 @@ def test_greedy_hybrid_equals_plain_greedy_and_looks_up_where_it_can(family):
     assert got[0].tolist() == np.asarray(looked_up)[0].tolist() == (motif * 2)[: k - 1]
     drafted = np.asarray(hp.dflash.propose(drafter, _target(family), state, history, n, k))
     assert got[1].tolist() == drafted[1].tolist()
+
+
+# --- adaptive verify width -----------------------------------------------------------------------------------
+
+
+def test_choose_width_maximises_expected_tokens_per_cost():
+    """Hand-computed: confidences 0.9/0.8/0.5 make verifying 1, 2, 4 tokens commit 1, 1.9, 1.9+0.72+0.36 = 2.98
+    in expectation; with costs 1, 1.2, 1.5 the rates are 1, 1.58, 1.99 (width 4 wins); when width 4 costs 3.0
+    its rate falls to 0.99 and width 2 wins; a done row counts for nothing."""
+    from infer.spec import choose_width
+
+    conf = jnp.asarray([[0.9, 0.8, 0.5]])
+    live = jnp.asarray([True])
+    assert int(choose_width(conf, live, (1, 2, 4), jnp.asarray([1.0, 1.2, 1.5]))) == 2
+    assert int(choose_width(conf, live, (1, 2, 4), jnp.asarray([1.0, 1.2, 3.0]))) == 1
+    # A second row that is sure of nothing pulls toward width 1 only through its share of the cost.
+    two = jnp.asarray([[0.9, 0.8, 0.5], [0.0, 0.0, 0.0]])
+    assert int(choose_width(two, jnp.asarray([True, True]), (1, 2, 4), jnp.asarray([1.0, 1.2, 1.5]))) == 2
+    assert int(choose_width(two, jnp.asarray([False, True]), (1, 2, 4), jnp.asarray([1.0, 1.2, 1.5]))) == 0
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_adaptive_width_is_lossless_and_varies(family):
+    """Adaptive engines (a drafter whose confidence says how far its drafts are right, so the chosen width moves
+    round by round; n-gram with measured rates) equal plain greedy at batch 2 and 1; the drafter context stays at
+    the target cache's length; several widths are used; the decode compiles once, each width once."""
+    k = 8
+    target = _target(family)
+    prompts = _prompts(seed=2)
+    ref = _plain(family, prompts)
+    cfg, drafter = _tiny_drafter(family)
+    ref_arr = jnp.asarray([r + [0] * (MAX_NEW + k - len(r)) for r in ref], jnp.int32)
+    params = {"drafter": drafter, "ref": ref_arr, "plen": jnp.asarray([len(p) for p in prompts], jnp.int32)}
+    engine = Engine(target, OracleMix(DFlashProposer(cfg)), params, block_size=k, max_new_tokens=MAX_NEW, adaptive=True)
+    assert engine.widths == (1, 2, 4, 8)
+    inputs = engine.inputs(prompts)
+    # Fixed costs, not timings (tiny-model timings are noise): a wider verify costs a little more.
+    engine.costs = {"widths": [1, 2, 4, 8], "verify_ms": [1.0, 1.1, 1.3, 1.8], "draft_ms": 0.5}
+    before = dict(TRACES)
+    state = engine.decode(engine.prefill(*inputs))
+    out = engine.results(state)
+    assert [g.tokens for g in out] == ref
+    used = {w for g in out for w in g.verify_widths}
+    assert len(used) >= 2, used
+    for g in out:
+        assert all(1 <= a <= w for a, w in zip(g.accept_lengths, g.verify_widths))
+    n = np.asarray(state.n)
+    np.testing.assert_array_equal(np.asarray(state.draft.lengths), n - 1)
+    np.testing.assert_array_equal(np.asarray(state.cache.lengths), n - 1)
+    traced = {key: TRACES[key] - before.get(key, 0) for key in TRACES}
+    assert traced["decode"] == 1 and all(traced[f"verify@{w}"] == 1 for w in engine.widths), traced
+    assert [g.tokens for g in engine.generate(prompts, seed=1)] == ref  # same shapes: no new compile
+    assert TRACES["decode"] - before.get("decode", 0) == 1
+    # Batch 1, and the n-gram proposer (measured rates per source: lookup, repeat).
+    ngram = Engine(target, NGramProposer(), block_size=k, max_new_tokens=MAX_NEW, adaptive=True)
+    assert [ngram.generate([p])[0].tokens for p in prompts] == ref
