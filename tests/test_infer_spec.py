@@ -157,7 +157,6 @@ class OracleMix:
     def propose_scored(self, params, target, state, history, n, k):
         """The same drafts, with confidence 0.95 where the true token was put in and 0.05 where the drafter's
         stands (an adaptive engine then verifies up to about the first drafter's draft)."""
-        from infer.proposers import Proposal
 
         prop = self.inner.propose_scored(params["drafter"], target, state, history, n, k)
         j = jnp.arange(k - 1)[None, :]
