@@ -121,28 +121,9 @@ def _warm(engine: Engine, ids, lengths, key):
     jax.block_until_ready(engine.decode(state.replace(done=jnp.ones_like(state.done))))
 
 
-def run_eval(
-    target_model,
-    draft,
-    prompts: list[list[int]],
-    *,
-    max_new_tokens: int,
-    stop_ids=(),
-    ids=None,
-    progress: bool = True,
-    repeats: int = 1,
-) -> dict:
-    """Plain and speculative greedy decoding of each prompt at batch 1; returns the report dict."""
-    return run_comparison(
-        target_model,
-        [draft],
-        prompts,
-        max_new_tokens=max_new_tokens,
-        stop_ids=stop_ids,
-        ids=ids,
-        progress=progress,
-        repeats=repeats,
-    )[draft.name]
+def run_eval(target_model, draft, prompts: list[list[int]], **options) -> dict:
+    """Plain and speculative greedy decoding of each prompt at batch 1 (options: `run_comparison`'s); the report."""
+    return run_comparison(target_model, [draft], prompts, **options)[draft.name]
 
 
 def _predicted_s(engine: Engine, gen) -> float:
@@ -164,10 +145,13 @@ def run_comparison(
     ids=None,
     progress: bool = True,
     repeats: int = 1,
+    overhead: bool = False,
 ) -> dict[str, dict]:
     """Each prompt decoded plainly and by every draft back to back (batch 1, greedy), `repeats` times, the order
     reversed on every other repeat so that a drift in the machine's speed falls on both sides; {draft name:
-    report}. Every report compares against the same plain runs, so the drafts' speedups share one baseline."""
+    report}. Every report compares against the same plain runs, so the drafts' speedups share one baseline.
+    overhead: also time every fixed-width engine's forwards alone (`Engine.calibrate`, a few compiles more) for
+    the loop-overhead ratio; adaptive engines are always calibrated (they choose from those costs)."""
     from tqdm import tqdm
 
     names = [d.name for d in drafts]
@@ -197,7 +181,8 @@ def run_comparison(
         inputs = (jnp.asarray(ids_1P), jnp.asarray([len(prompt)], jnp.int32), jax.random.key(0))
         if i == 0:
             for engine in (plain, *specs):
-                engine.calibrate(*inputs)
+                if overhead or engine.static["widths"] is not None:
+                    engine.calibrate(*inputs)
                 _warm(engine, *inputs)
         times = {id(e): [] for e in (plain, *specs)}
         gens = {}
@@ -219,14 +204,14 @@ def run_comparison(
                     "verify_widths": g_spec.verify_widths,
                     "plain_decode_s": times[id(plain)],
                     "spec_decode_s": times[id(spec)],
-                    "plain_predicted_s": _predicted_s(plain, g_plain),
-                    "spec_predicted_s": _predicted_s(spec, g_spec),
+                    "plain_predicted_s": _predicted_s(plain, g_plain) if plain.costs else math.nan,
+                    "spec_predicted_s": _predicted_s(spec, g_spec) if spec.costs else math.nan,
                 }
             )
     out = {}
     for d, spec in zip(drafts, specs):
         out[d.name] = summarize(records[d.name], d, max_new_tokens)
-        out[d.name]["costs_ms"] = {"plain": plain.costs, d.name: spec.costs}
+        out[d.name]["costs_ms"] = {name: e.costs for name, e in (("plain", plain), (d.name, spec)) if e.costs}
     return out
 
 
@@ -493,6 +478,7 @@ def main(argv=None) -> dict:
             ids=[r["id"] for r in rows],
             progress=not args.no_progress,
             repeats=args.repeats,
+            overhead=True,
         )
         rep = {
             "command": " ".join(["python -m infer.eval", *(sys.argv[1:] if argv is None else argv)]),
@@ -519,6 +505,7 @@ def main(argv=None) -> dict:
         ids=[r["id"] for r in rows],
         progress=not args.no_progress,
         repeats=args.repeats,
+        overhead=True,
     )
     rep.update(target=str(target.path), dataset=args.dataset, device=str(jax.devices()[0]), dtype=target.config.dtype)
     atomic_write_text(out / "eval.json", json.dumps(rep, indent=1))

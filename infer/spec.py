@@ -244,29 +244,48 @@ def default_widths(k: int) -> tuple[int, ...]:
     return tuple(sorted({1, k, *(w for w in (2, 4, 8, 16, 32, 64) if w < k)}))
 
 
-# Cost probes: one verify at a given width, and the drafter's forward, each alone at the decode's shapes (the
-# state after prefill; nothing donated, so the state is reused). They calibrate the adaptive width choice and are
-# the denominator of the loop-overhead ratio.
+# Cost probes: a verify at a given width, and the drafter's forward, each alone at the decode's shapes (the state
+# after prefill). Each runs `reps` times inside one jitted fori_loop, its cache carried and written in place as in
+# the decode loop (a standalone call would copy the cache and pay the Python dispatch of every module leaf, both
+# absent from a round); `_loop_ms` takes the difference of two repetition counts, which cancels the per-call cost.
 @functools.partial(jax.jit, static_argnames=("proposer", "width", "k"))
-def _probe_verify(target, proposer, st, *, width, k):
+def _probe_verify(target, proposer, st, reps, *, width, k):
     last = jnp.take_along_axis(st.history, (st.n - 1)[:, None], axis=1)[:, 0]
     drafts = jnp.zeros((st.n.shape[0], k - 1), jnp.int32)
-    return _verify(target, proposer, st, last, drafts, st.key, width=width, k=k, temperature=0.0)
+
+    def body(_, carry):
+        cache, acc = carry
+        tok, a, _, grown, _ = _verify(
+            target, proposer, st.replace(cache=cache), last, drafts, st.key, width=width, k=k, temperature=0.0
+        )
+        return grown.crop(st.cache.lengths), acc + jnp.sum(tok) + jnp.sum(a)
+
+    return jax.lax.fori_loop(0, reps, body, (st.cache, jnp.int32(0)))[1]
 
 
 @functools.partial(jax.jit, static_argnames=("proposer", "k"))
-def _probe_draft(target, proposer, params, st, *, k):
-    return proposer.propose(params, target, st.draft, st.history, st.n, k)
+def _probe_draft(target, proposer, params, st, reps, *, k):
+    def body(i, acc):
+        # The last token varies with i so that the loop body cannot be hoisted out as loop-invariant.
+        history = st.history.at[jnp.arange(st.n.shape[0]), st.n - 1].add(i)
+        return acc + jnp.sum(proposer.propose(params, target, st.draft, history, st.n, k))
+
+    return jax.lax.fori_loop(0, reps, body, jnp.int32(0))
 
 
-def _median_ms(fn, reps: int) -> float:
-    jax.block_until_ready(fn())  # compile
-    times = []
-    for _ in range(reps):
+def _loop_ms(fn, reps: int) -> float:
+    """ms per repetition of fn(r) (r repetitions in one call): (time(1 + reps) - time(1)) / reps, each the median
+    of three calls after a compile run."""
+
+    def once(r):
         t = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t)
-    return 1e3 * float(np.median(times))
+        jax.block_until_ready(fn(r))
+        return time.perf_counter() - t
+
+    jax.block_until_ready(fn(1))  # compile (the count is data: one executable for every r)
+    one = float(np.median([once(1) for _ in range(3)]))
+    many = float(np.median([once(1 + reps) for _ in range(3)]))
+    return 1e3 * max(many - one, 0.0) / reps
 
 
 @dataclasses.dataclass
@@ -352,22 +371,22 @@ class Engine:
             **self.static,
         )
 
-    def calibrate(self, ids_BP, lengths_B, key, reps: int = 5) -> dict:
+    def calibrate(self, ids_BP, lengths_B, key, reps: int = 10) -> dict:
         """Time, at these inputs' decode shapes, a verify forward at each width and the drafter's forward, each
-        alone (median of `reps` after a compile run): {"verify_ms": [per width], "draft_ms": float}. Attention
-        runs over the whole cache capacity, so the shapes, not the prompt's length, set the cost."""
+        alone (`reps` repetitions in one call, see `_loop_ms`): {"widths", "verify_ms": [per width], "draft_ms"}.
+        Attention runs over the whole cache capacity, so the shapes, not the prompt's length, set the cost."""
         self.costs = {"verify_ms": [0.0] * len(self.widths), "draft_ms": 0.0}
         st = self.prefill(ids_BP, lengths_B, key)
         k = self.block_size
         verify_ms = [
-            _median_ms(lambda w=w: _probe_verify(self.target, self.proposer, st, width=w, k=k), reps)
+            _loop_ms(lambda r, w=w: _probe_verify(self.target, self.proposer, st, r, width=w, k=k), reps)
             for w in self.widths
         ]
         # The cost of the model forward a round may pay: the hybrid's is its drafter's; n-gram lookup is nearly free.
         model = getattr(self.proposer, "dflash", self.proposer)
         draft_ms = 0.0
         if k > 1:
-            draft_ms = _median_ms(lambda: _probe_draft(self.target, model, self.params, st, k=k), reps)
+            draft_ms = _loop_ms(lambda r: _probe_draft(self.target, model, self.params, st, r, k=k), reps)
         # A wider verify never costs less; a measured dip is noise, and would make the choice chase it.
         verify_ms = np.maximum.accumulate(verify_ms).tolist()
         self.costs = {"widths": list(self.widths), "verify_ms": verify_ms, "draft_ms": draft_ms}
