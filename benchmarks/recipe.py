@@ -83,7 +83,10 @@ def train_all(scale: dict, out: Path, runs_dir: Path) -> dict:
         prior = info.get(name, {})
         info[name] = {
             "overrides": extra,
-            "run_dir": str(run_dir),
+            # Relative to the repository where it lies inside it: committed results name no path of this machine.
+            "run_dir": str(run_dir.resolve().relative_to(REPO))
+            if run_dir.resolve().is_relative_to(REPO)
+            else str(run_dir),
             "steps": metrics[-1]["step"],
             # A resumed run's wall only covers what was left; keep the first (full) measurement.
             "wall_s": prior.get("wall_s", wall) if prior.get("steps") == metrics[-1]["step"] else wall,
