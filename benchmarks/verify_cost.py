@@ -25,23 +25,11 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from dflash_model.config import PRESETS, TargetConfig
+from dflash_model.config import PRESETS, TINY_PRESETS, TargetConfig
 from dflash_model.target import KVCache, build_target, forward
 
-# The test-suite's tiny Qwen3 shape: dispatch and per-op overheads dominate, the opposite extreme of a real model.
-TINY = TargetConfig(
-    family="qwen3",
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    rope_theta=1e6,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
-)
+# The test suite's tiny Qwen3 shape: dispatch and per-op overheads dominate, the opposite extreme of a real model.
+TINY = TINY_PRESETS["qwen3"]
 
 
 def _verify(model, block_BK, cache: KVCache, context_B):

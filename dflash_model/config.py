@@ -226,6 +226,40 @@ PRESETS: dict[str, TargetConfig] = {
     ),
 }
 
+# The test suite's tiny shapes (those of the committed HF fixtures tests/fixtures/tiny_qwen3 and tiny_llama): big
+# enough to exercise GQA, qk-norm, tied embeddings and Llama-3.1 rope scaling, small enough to compile in seconds.
+TINY_PRESETS: dict[str, TargetConfig] = {
+    "qwen3": TargetConfig(
+        family="qwen3",
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        max_position_embeddings=2048,
+    ),
+    "llama": TargetConfig(
+        family="llama",
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rope_theta=5e5,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        max_position_embeddings=2048,
+        rope_scaling=RopeScaling(8.0, 1.0, 4.0, 128),
+    ),
+}
+
 
 def preset(name: str) -> TargetConfig:
     if name not in PRESETS:

@@ -130,9 +130,8 @@ def _predicted_s(engine: Engine, gen) -> float:
     """Seconds the decode would take if a round cost exactly its parts timed alone (engine.costs): the verify at
     the round's width plus the drafter forward where it ran. Decode time / this = the loop's overhead."""
     verify = dict(zip(engine.costs["widths"], engine.costs["verify_ms"]))
-    widths = gen.verify_widths or [engine.block_size] * len(gen.accept_lengths)
-    drafted = gen.drafted or [engine.block_size > 1] * len(widths)
-    return 1e-3 * sum(verify[w] + (engine.costs["draft_ms"] if d else 0.0) for w, d in zip(widths, drafted))
+    rounds = zip(gen.verify_widths, gen.drafted)
+    return 1e-3 * sum(verify[w] + (engine.costs["draft_ms"] if d else 0.0) for w, d in rounds)
 
 
 def run_comparison(
@@ -181,7 +180,7 @@ def run_comparison(
         inputs = (jnp.asarray(ids_1P), jnp.asarray([len(prompt)], jnp.int32), jax.random.key(0))
         if i == 0:
             for engine in (plain, *specs):
-                if overhead or engine.static["widths"] is not None:
+                if overhead or engine.adaptive:
                     engine.calibrate(*inputs)
                 _warm(engine, *inputs)
         times = {id(e): [] for e in (plain, *specs)}

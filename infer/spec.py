@@ -48,8 +48,8 @@ class DecodeState:
     proposals: jax.Array  # [B, I, K-1] the drafts of each round
     widths: jax.Array  # [I] tokens verified by each round (the last token and widths - 1 drafts)
     drafted: jax.Array  # [I] bool: the round ran a drafter forward (the hybrid skips it when every row matched)
-    tries: jax.Array  # [sources, K-1] adaptive: rounds where draft j was verified after drafts 1..j-1 were accepted
-    hits: jax.Array  # [sources, K-1] adaptive: ... and draft j was accepted too
+    tries: jax.Array  # [sources, K-1] rounds where draft j was verified after drafts 1..j-1 were accepted
+    hits: jax.Array  # [sources, K-1] ... and draft j was accepted too (adaptive engines choose widths from these)
     verify_ms_Z: jax.Array  # [Z] adaptive: measured cost of verifying each candidate width (data: no recompile)
     draft_ms: jax.Array  # [] adaptive: measured cost of the drafter's forward
     nonfinite: jax.Array  # [] bool: some target logit was NaN or inf (its argmax, token 0, would be reported)
@@ -122,31 +122,27 @@ def _round(target, proposer, params, st: DecodeState, *, k, temperature, max_new
     last = jnp.take_along_axis(st.history, start[:, None], axis=1)[:, 0]
     key = jax.random.fold_in(st.key, st.rounds)
     live = ~st.done
+    prop = scored(proposer, params, target, st.draft, st.history, st.n, k)
+    drafts = prop.tokens  # [B, K-1]
     if widths is None:
-        drafts = proposer.propose(params, target, st.draft, st.history, st.n, k)  # [B, K-1]
         target_tok, a, feats, cache, nonfinite = _verify(
             target, proposer, st, last, drafts, key, width=k, k=k, temperature=temperature
         )
         width = jnp.int32(k)
-        drafted = jnp.bool_(True)
-        tries, hits = st.tries, st.hits
     else:
-        prop = scored(proposer, params, target, st.draft, st.history, st.n, k)
-        drafts, drafted = prop.tokens, prop.drafted
         # Where the proposer has no probability: the measured rate of its source, (hits + 1) / (tries + 2).
         measured_BJ = ((st.hits + 1.0) / (st.tries + 2.0))[prop.source]
         conf = jnp.where(jnp.isnan(prop.prob), measured_BJ, prop.prob)
-        cost_Z = st.verify_ms_Z + jnp.where(drafted, st.draft_ms, 0.0)
+        cost_Z = st.verify_ms_Z + jnp.where(prop.drafted, st.draft_ms, 0.0)
         choice = choose_width(conf, live, widths, cost_Z)
         branches = [functools.partial(_verify, target, proposer, width=w, k=k, temperature=temperature) for w in widths]
         target_tok, a, feats, cache, nonfinite = jax.lax.switch(choice, branches, st, last, drafts, key)
         width = jnp.asarray(widths, jnp.int32)[choice]
-        # Draft j was tried when it was verified and drafts 1..j-1 were accepted; hit when it was accepted too.
-        j = jnp.arange(1, k)[None, :]
-        tried_BJ = (live[:, None] & (j < width) & (a[:, None] >= j - 1)).astype(jnp.float32)
-        hit_BJ = tried_BJ * (a[:, None] >= j)
-        by_source = jax.nn.one_hot(prop.source, len(SOURCES), dtype=jnp.float32)  # [B, sources]
-        tries, hits = st.tries + by_source.T @ tried_BJ, st.hits + by_source.T @ hit_BJ
+    # Draft j was tried when it was verified and drafts 1..j-1 were accepted; hit when it was accepted too.
+    j = jnp.arange(1, k)[None, :]
+    tried_BJ = (live[:, None] & (j < width) & (a[:, None] >= j - 1)).astype(jnp.float32)
+    hit_BJ = tried_BJ * (a[:, None] >= j)
+    by_source = jax.nn.one_hot(prop.source, len(SOURCES), dtype=jnp.float32)  # [B, sources]
 
     # Commit target_tok[:, :a+1]: the first a equal the accepted drafts, target_tok[:, a] is the bonus (the
     # target's own token at the first mismatch, or after all verified drafts). Cut after a committed stop token.
@@ -175,9 +171,9 @@ def _round(target, proposer, params, st: DecodeState, *, k, temperature, max_new
         accept=st.accept.at[:, st.rounds].set(jnp.where(st.done, 0, a + 1)),
         proposals=st.proposals.at[jnp.arange(b), st.rounds].set(drafts),
         widths=st.widths.at[st.rounds].set(width),
-        drafted=st.drafted.at[st.rounds].set(drafted),
-        tries=tries,
-        hits=hits,
+        drafted=st.drafted.at[st.rounds].set(prop.drafted),
+        tries=st.tries + by_source.T @ tried_BJ,
+        hits=st.hits + by_source.T @ hit_BJ,
         nonfinite=st.nonfinite | nonfinite,
     )
 
@@ -354,10 +350,17 @@ class Engine:
         """The verify widths this engine may use: its candidates, or the block size alone."""
         return self.static["widths"] or (self.block_size,)
 
+    @property
+    def adaptive(self) -> bool:
+        return self.static["widths"] is not None
+
     def prefill(self, ids_BP, lengths_B, key) -> DecodeState:
-        if self.static["widths"] is not None and self.costs is None:
+        if self.adaptive and self.costs is None:
             raise RuntimeError("an adaptive engine chooses widths from measured costs: call calibrate() first")
-        costs = self.costs or {"verify_ms": [0.0] * len(self.widths), "draft_ms": 0.0}
+        return self._prefill(ids_BP, lengths_B, key, self.costs)
+
+    def _prefill(self, ids_BP, lengths_B, key, costs) -> DecodeState:
+        costs = costs or {"verify_ms": [0.0] * len(self.widths), "draft_ms": 0.0}  # unused by a fixed width
         return _prefill(
             self.target,
             self.proposer,
@@ -375,8 +378,7 @@ class Engine:
         """Time, at these inputs' decode shapes, a verify forward at each width and the drafter's forward, each
         alone (`reps` repetitions in one call, see `_loop_ms`): {"widths", "verify_ms": [per width], "draft_ms"}.
         Attention runs over the whole cache capacity, so the shapes, not the prompt's length, set the cost."""
-        self.costs = {"verify_ms": [0.0] * len(self.widths), "draft_ms": 0.0}
-        st = self.prefill(ids_BP, lengths_B, key)
+        st = self._prefill(ids_BP, lengths_B, key, None)  # the probes read shapes and caches, not costs
         k = self.block_size
         verify_ms = [
             _loop_ms(lambda r, w=w: _probe_verify(self.target, self.proposer, st, r, width=w, k=k), reps)
@@ -437,6 +439,6 @@ class Engine:
 
     def generate(self, prompts: list[list[int]], seed: int = 0) -> list[Generation]:
         inputs = self.inputs(prompts, seed)
-        if self.static["widths"] is not None and self.costs is None:
+        if self.adaptive and self.costs is None:
             self.calibrate(*inputs)
         return self.results(self.decode(self.prefill(*inputs)))

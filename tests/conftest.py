@@ -18,41 +18,10 @@ FIXTURES = Path(__file__).parent / "fixtures"
 
 
 def tiny_config(family: str, **changes):
-    """Tiny Qwen3 / Llama configs shaped like the committed HF fixtures."""
-    from dflash_model.config import RopeScaling, TargetConfig
+    """Tiny Qwen3 / Llama configs shaped like the committed HF fixtures (any family but qwen3 reads as llama)."""
+    from dflash_model.config import TINY_PRESETS
 
-    if family == "qwen3":
-        cfg = TargetConfig(
-            family="qwen3",
-            vocab_size=512,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=32,
-            rope_theta=1e6,
-            rms_norm_eps=1e-6,
-            tie_word_embeddings=False,
-            max_position_embeddings=2048,
-        )
-    else:
-        cfg = TargetConfig(
-            family="llama",
-            vocab_size=512,
-            hidden_size=64,
-            intermediate_size=160,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            rope_theta=5e5,
-            rms_norm_eps=1e-5,
-            tie_word_embeddings=True,
-            max_position_embeddings=2048,
-            rope_scaling=RopeScaling(8.0, 1.0, 4.0, 128),
-        )
-    return cfg.replace(**changes)
+    return TINY_PRESETS["qwen3" if family == "qwen3" else "llama"].replace(**changes)
 
 
 def tiny_target(family: str, seed: int = 0, **changes):
