@@ -39,15 +39,19 @@ class Proposal:
     source: jax.Array  # [B] int32 index into SOURCES
     drafted: jax.Array  # [] bool: a drafter forward ran this round (its cost was paid)
 
+    @classmethod
+    def unscored(cls, tokens, source, drafted: bool) -> Proposal:
+        """Drafts without a probability (NaN: the engine uses the acceptance rate it measured for `source`)."""
+        source = jnp.broadcast_to(jnp.asarray(source, jnp.int32), tokens.shape[:1])
+        return cls(tokens, jnp.full(tokens.shape, jnp.nan), source, jnp.bool_(drafted))
+
 
 def scored(proposer, params, target, state, history_BC, n_B, k) -> Proposal:
     """`proposer.propose_scored` where it exists; otherwise its drafts with no confidence (NaN: the engine uses the
     rate it measured), counted as the drafter's, whose forward ran."""
     if hasattr(proposer, "propose_scored"):
         return proposer.propose_scored(params, target, state, history_BC, n_B, k)
-    tokens = proposer.propose(params, target, state, history_BC, n_B, k)
-    b = tokens.shape[0]
-    return Proposal(tokens, jnp.full(tokens.shape, jnp.nan), jnp.full((b,), DRAFTER, jnp.int32), jnp.bool_(True))
+    return Proposal.unscored(proposer.propose(params, target, state, history_BC, n_B, k), DRAFTER, True)
 
 
 def last_tokens(history_BC, n_B):
@@ -98,8 +102,7 @@ class NGramProposer:
         drafts, found_B = self.lookup(history_BC, n_B, k)
         # No match: repeat the last token (free to verify, and right inside runs of one token).
         tokens = jnp.where(found_B[:, None], drafts, last_tokens(history_BC, n_B)[:, None]).astype(jnp.int32)
-        source = jnp.where(found_B, LOOKUP, REPEAT).astype(jnp.int32)
-        return Proposal(tokens, jnp.full(tokens.shape, jnp.nan), source, jnp.bool_(False))
+        return Proposal.unscored(tokens, jnp.where(found_B, LOOKUP, REPEAT), False)
 
     def lookup(self, history_BC, n_B, k):
         """([B, k-1] the continuation of each row's latest earlier n-gram match, [B] bool whether one exists)."""
@@ -201,9 +204,7 @@ class HybridProposer:
         every_row_matched = jnp.all(found_B)
         model = jax.lax.cond(
             every_row_matched,
-            lambda: Proposal(
-                looked_up, jnp.full(looked_up.shape, jnp.nan), jnp.full(found_B.shape, LOOKUP, jnp.int32), jnp.bool_(0)
-            ),
+            lambda: Proposal.unscored(looked_up, LOOKUP, False),
             lambda: self.dflash.propose_scored(params, target, state, history_BC, n_B, k),
         )
         return Proposal(
