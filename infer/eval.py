@@ -299,7 +299,7 @@ def format_table(rep: dict) -> str:
         f"| TPOT plain (ms) | {rep['tpot_plain_ms']:.2f} |",
         f"| TPOT speculative (ms) | {rep['tpot_spec_ms']:.2f} |",
         f"| speedup (decode only) | {rep['speedup']:.3f}x {_spread(rep)} |",
-        f"| loop overhead (round / its parts timed alone) | {rep.get('loop_overhead', math.nan):.3f} |",
+        f"| loop overhead (round / its parts timed alone) | {_ratio(rep.get('loop_overhead'), 3)} |",
         f"| tokens/s plain / speculative | {rep['tokens_per_s_plain']:.2f} / {rep['tokens_per_s_spec']:.2f} |",
         f"| lossless mismatches (prompts) | {rep['lossless_mismatches']} / {rep['prompts']} |",
         "",
@@ -338,6 +338,11 @@ def plot_acceptance(rep: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def _ratio(x, digits: int = 2) -> str:
+    """A ratio for a table; '-' where it was not measured (None or NaN: the forwards were not timed alone)."""
+    return "-" if x is None or math.isnan(x) else f"{x:.{digits}f}"
+
+
 def _spread(rep: dict) -> str:
     """'(min-max over R repeats)' of the speedup, or '' for one repeat."""
     per = rep.get("speedup_per_repeat") or []
@@ -356,7 +361,7 @@ def format_comparison(reports: dict[str, dict]) -> str:
         "| lossless |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
         f"| plain | 1 | 1.0 | 1.000 | - | - | - | {first['tpot_plain_ms']:.1f} | 1.00x | "
-        f"{first.get('loop_overhead_plain', math.nan):.2f} | {first['tokens_per_s_plain']:.2f} | - |",
+        f"{_ratio(first.get('loop_overhead_plain'))} | {first['tokens_per_s_plain']:.2f} | - |",
     ]
     for name, r in reports.items():
         acc = (list(r["acceptance_unconditional"]) + [math.nan] * 3)[:3]
@@ -364,7 +369,7 @@ def format_comparison(reports: dict[str, dict]) -> str:
             f"| {name} | {r['block_size']} | {r.get('mean_verify_width', r['block_size']):.1f} | {r['tau']:.3f} | "
             + " | ".join(f"{a:.3f}" for a in acc)
             + f" | {r['tpot_spec_ms']:.1f} | {r['speedup']:.2f}x {_spread(r)} | "
-            f"{r.get('loop_overhead', math.nan):.2f} | {r['tokens_per_s_spec']:.2f} | "
+            f"{_ratio(r.get('loop_overhead'))} | {r['tokens_per_s_spec']:.2f} | "
             f"{r['prompts'] - r['lossless_mismatches']}/{r['prompts']} equal |"
         )
     return "\n".join(lines)
