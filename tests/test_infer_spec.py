@@ -165,6 +165,12 @@ class OracleMix:
         return prop.replace(tokens=jnp.where(ours, prop.tokens, truth), prob=jnp.where(ours, 0.05, 0.95))
 
 
+def _oracle_params(drafter, prompts, ref, k):
+    """OracleMix's params: the drafter, each row's greedy continuation padded past the last round, prompt lengths."""
+    ref_arr = jnp.asarray([r + [0] * (MAX_NEW + k - len(r)) for r in ref], jnp.int32)
+    return {"drafter": drafter, "ref": ref_arr, "plen": jnp.asarray([len(p) for p in prompts], jnp.int32)}
+
+
 @pytest.mark.parametrize("family,k,batch_one", [("qwen3", 16, True), ("llama", 4, False)])
 def test_greedy_dflash_equals_plain_greedy(family, k, batch_one):
     """Untrained DFlash drafter (random init) at batch 2 (and batch 1): output equals plain greedy."""
@@ -189,8 +195,7 @@ def test_drafter_context_tracks_the_committed_tokens_only():
     prompts = _prompts(seed=2)
     ref = _plain(family, prompts)
     cfg, drafter = _tiny_drafter(family)
-    ref_arr = jnp.asarray([r + [0] * (MAX_NEW + k - len(r)) for r in ref], jnp.int32)
-    params = {"drafter": drafter, "ref": ref_arr, "plen": jnp.asarray([len(p) for p in prompts], jnp.int32)}
+    params = _oracle_params(drafter, prompts, ref, k)
     engine = Engine(target, OracleMix(DFlashProposer(cfg)), params, block_size=k, max_new_tokens=MAX_NEW)
     state = engine.decode(engine.prefill(*engine.inputs(prompts)))
     out = engine.results(state)
@@ -305,8 +310,7 @@ def test_adaptive_width_is_lossless_and_varies(family):
     prompts = _prompts(seed=2)
     ref = _plain(family, prompts)
     cfg, drafter = _tiny_drafter(family)
-    ref_arr = jnp.asarray([r + [0] * (MAX_NEW + k - len(r)) for r in ref], jnp.int32)
-    params = {"drafter": drafter, "ref": ref_arr, "plen": jnp.asarray([len(p) for p in prompts], jnp.int32)}
+    params = _oracle_params(drafter, prompts, ref, k)
     engine = Engine(target, OracleMix(DFlashProposer(cfg)), params, block_size=k, max_new_tokens=MAX_NEW, adaptive=True)
     assert engine.widths == (1, 2, 4, 8)
     inputs = engine.inputs(prompts)
