@@ -28,8 +28,19 @@ import jax
 import jax.numpy as jnp
 
 # Where a row's drafts came from: an adaptive engine keeps a measured acceptance rate per source and position.
-SOURCES = ("drafter", "lookup", "repeat")
-DRAFTER, LOOKUP, REPEAT = range(len(SOURCES))
+# Lookups are split by how far back the context agrees with the match (its match length, in buckets): inside a
+# repetition loop the match is long and nearly every copied token is accepted, after a short chance match few
+# are, and one rate for both would verify too little in loops and too much elsewhere.
+MATCH_BUCKETS = (1, 2, 3, 4, 8, 16)  # lower bounds of the lookup buckets (a match has >= 1 token)
+# "lookup 4-7": a lookup whose match is 4 to 7 tokens long (one name per bucket of MATCH_BUCKETS).
+SOURCES = ("drafter", "repeat", "lookup 1", "lookup 2", "lookup 3", "lookup 4-7", "lookup 8-15", "lookup 16+")
+DRAFTER, REPEAT, LOOKUP = 0, 1, 2  # LOOKUP: the first lookup bucket
+
+
+def lookup_source(match_len_B):
+    """SOURCES index of a lookup whose match is match_len_B tokens long."""
+    bucket = jnp.sum(match_len_B[:, None] >= jnp.asarray(MATCH_BUCKETS[1:])[None, :], axis=1)
+    return (LOOKUP + bucket).astype(jnp.int32)
 
 
 @flax.struct.dataclass
@@ -99,13 +110,15 @@ class NGramProposer:
         return self.propose_scored(params, target, state, history_BC, n_B, k).tokens
 
     def propose_scored(self, params, target, state, history_BC, n_B, k):
-        drafts, found_B = self.lookup(history_BC, n_B, k)
+        drafts, match_len_B = self.lookup(history_BC, n_B, k)
+        found_B = match_len_B > 0
         # No match: repeat the last token (free to verify, and right inside runs of one token).
         tokens = jnp.where(found_B[:, None], drafts, last_tokens(history_BC, n_B)[:, None]).astype(jnp.int32)
-        return Proposal.unscored(tokens, jnp.where(found_B, LOOKUP, REPEAT), False)
+        return Proposal.unscored(tokens, jnp.where(found_B, lookup_source(match_len_B), REPEAT), False)
 
     def lookup(self, history_BC, n_B, k):
-        """([B, k-1] the continuation of each row's latest earlier n-gram match, [B] bool whether one exists)."""
+        """([B, k-1] the continuation of each row's latest earlier n-gram match, [B] its match length: how many
+        tokens, up to MATCH_BUCKETS[-1], agree backwards from the match and from the row's end; 0 = no match)."""
         b, c = history_BC.shape
         pos_C = jnp.arange(c, dtype=jnp.int32)
         hist_len = n_B[:, None]
@@ -126,7 +139,12 @@ class NGramProposer:
         period_B = jnp.maximum(n_B - 1 - best_B, 1)
         idx_BK = best_B[:, None] + 1 + jnp.arange(k - 1)[None, :] % period_B[:, None]
         drafts = jnp.take_along_axis(history_BC, jnp.clip(idx_BK, 0, c - 1), axis=1)
-        return drafts.astype(jnp.int32), best_B >= 0
+        back = jnp.arange(MATCH_BUCKETS[-1])[None, :]
+        at_match = jnp.take_along_axis(history_BC, jnp.clip(best_B[:, None] - back, 0, c - 1), axis=1)
+        at_end = jnp.take_along_axis(history_BC, jnp.clip(n_B[:, None] - 1 - back, 0, c - 1), axis=1)
+        agree = (at_match == at_end) & (best_B[:, None] - back >= 0)
+        match_len_B = jnp.where(best_B >= 0, jnp.sum(jnp.cumprod(agree, axis=1), axis=1), 0)
+        return drafts.astype(jnp.int32), match_len_B.astype(jnp.int32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,17 +218,18 @@ class HybridProposer:
         return self.propose_scored(params, target, state, history_BC, n_B, k).tokens
 
     def propose_scored(self, params, target, state, history_BC, n_B, k):
-        looked_up, found_B = self.ngram.lookup(history_BC, n_B, k)
+        looked_up, match_len_B = self.ngram.lookup(history_BC, n_B, k)
+        found_B = match_len_B > 0
         every_row_matched = jnp.all(found_B)
         model = jax.lax.cond(
             every_row_matched,
-            lambda: Proposal.unscored(looked_up, LOOKUP, False),
+            lambda: Proposal.unscored(looked_up, DRAFTER, False),  # placeholder source: every row takes the lookup
             lambda: self.dflash.propose_scored(params, target, state, history_BC, n_B, k),
         )
         return Proposal(
             jnp.where(found_B[:, None], looked_up, model.tokens).astype(jnp.int32),
             jnp.where(found_B[:, None], jnp.nan, model.prob),
-            jnp.where(found_B, LOOKUP, DRAFTER).astype(jnp.int32),
+            jnp.where(found_B, lookup_source(match_len_B), DRAFTER).astype(jnp.int32),
             ~every_row_matched,
         )
 

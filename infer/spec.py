@@ -89,6 +89,18 @@ def choose_width(conf_BJ, live_B, widths: tuple[int, ...], cost_Z):
     return jnp.argmax(rate_Z).astype(jnp.int32)
 
 
+def measured_rates(tries, hits, prior_weight: float = 4.0):
+    """[sources, K-1] acceptance rate of draft j given drafts 1..j-1 were accepted, per source: what an adaptive
+    engine uses where the proposer gives no probability.
+
+    Each position's count is shrunk towards its source's rate pooled over positions ((hits + 1) / (tries + 2)),
+    worth `prior_weight` rounds. Without the pooling a position never verified keeps an even prior, so a
+    proposer whose first drafts are nearly always right is still never verified wide enough to show it.
+    """
+    pooled = (jnp.sum(hits, axis=1) + 1.0) / (jnp.sum(tries, axis=1) + 2.0)
+    return (hits + prior_weight * pooled[:, None]) / (tries + prior_weight)
+
+
 def _verify(target, proposer, st: DecodeState, last_B, drafts_BJ, key, *, width, k, temperature):
     """Target forward over [last, d_1 .. d_{width-1}] from the cache at `start`; the target's tokens and the
     layer features padded to K (so every width returns one shape), the accepted count, the grown cache."""
@@ -130,8 +142,7 @@ def _round(target, proposer, params, st: DecodeState, *, k, temperature, max_new
         )
         width = jnp.int32(k)
     else:
-        # Where the proposer has no probability: the measured rate of its source, (hits + 1) / (tries + 2).
-        measured_BJ = ((st.hits + 1.0) / (st.tries + 2.0))[prop.source]
+        measured_BJ = measured_rates(st.tries, st.hits)[prop.source]
         conf = jnp.where(jnp.isnan(prop.prob), measured_BJ, prop.prob)
         cost_Z = st.verify_ms_Z + jnp.where(prop.drafted, st.draft_ms, 0.0)
         choice = choose_width(conf, live, widths, cost_Z)

@@ -13,7 +13,7 @@ from conftest import tiny_target
 from dflash_model.drafter import DraftCache, build_drafter, drafter_config_for, extend_context
 from dflash_model.target import forward
 from infer.plain import greedy_generate, truncate_at_stop
-from infer.proposers import DFlashProposer, NGramProposer
+from infer.proposers import SOURCES, DFlashProposer, NGramProposer
 from infer.spec import TRACES, Engine, accept_length
 
 MAX_NEW = 24
@@ -78,9 +78,27 @@ def test_ngram_lookup_proposals():
         hist[b, : len(h)] = h
         hist[b, len(h) : len(h) + 2] = h[:2]  # stale tokens past n that would create false matches
     n = jnp.asarray([len(h) for h, _ in rows], jnp.int32)
-    propose = jax.jit(NGramProposer(max_n=3, min_n=1).propose, static_argnums=5)
-    got = propose(None, None, (), jnp.asarray(hist), n, 5)
+    ngram = NGramProposer(max_n=3, min_n=1)
+    got = jax.jit(ngram.propose, static_argnums=5)(None, None, (), jnp.asarray(hist), n, 5)
     assert got.tolist() == [want for _, want in rows]
+    # Match lengths: how far back the context agrees from the match and from the end, and their sources.
+    _, match_len = ngram.lookup(jnp.asarray(hist), n, 5)
+    assert match_len.tolist() == [2, 2, 4, 0, 2]
+    scored = ngram.propose_scored(None, None, (), jnp.asarray(hist), n, 5)
+    assert [SOURCES[s] for s in scored.source.tolist()] == ["lookup 2", "lookup 2", "lookup 4-7", "repeat", "lookup 2"]
+
+
+def test_measured_rates_pool_positions_until_each_has_counts():
+    """A source accepted 9 times in 10 tries at draft 1 and never tried further: the pooled rate (9+1)/(10+2)
+    fills in for draft 2 (untried) instead of an even 0.5, while draft 1 keeps nearly its own 0.9."""
+    from infer.spec import measured_rates
+
+    tries = jnp.asarray([[10.0, 0.0], [0.0, 0.0]])
+    hits = jnp.asarray([[9.0, 0.0], [0.0, 0.0]])
+    rates = np.asarray(measured_rates(tries, hits, prior_weight=4.0))
+    pooled = 10 / 12
+    np.testing.assert_allclose(rates[0], [(9 + 4 * pooled) / 14, pooled], rtol=1e-6)
+    np.testing.assert_allclose(rates[1], [0.5, 0.5], rtol=1e-6)  # a source never seen: even odds
 
 
 # K = 2, 4, 8, 16 are spread over the n-gram, DFlash and drafter-sync tests (each K is a compile).
@@ -274,8 +292,8 @@ def test_greedy_hybrid_equals_plain_greedy_and_looks_up_where_it_can(family):
     hp = HybridProposer(DFlashProposer(cfg))
     state = hp.init(drafter, 2, 16)
     got = np.asarray(hp.propose(drafter, _target(family), state, history, n, k))
-    looked_up, found = hp.ngram.lookup(history, n, k)
-    assert np.asarray(found).tolist() == [True, False]
+    looked_up, match_len = hp.ngram.lookup(history, n, k)
+    assert np.asarray(match_len).tolist() == [12, 0]  # the motif agrees 12 tokens back from its latest repeat
     assert got[0].tolist() == np.asarray(looked_up)[0].tolist() == (motif * 2)[: k - 1]
     drafted = np.asarray(hp.dflash.propose(drafter, _target(family), state, history, n, k))
     assert got[1].tolist() == drafted[1].tolist()
