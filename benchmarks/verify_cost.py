@@ -9,6 +9,10 @@ returning fp32 logits for all K positions and the cache with the K new entries, 
   * block_until_ready on the outputs: the real device time;
   * jax.effects_barrier(): it waits only for side effects, NOT for a pure computation, so it measures dispatch.
     (A "verify cost is flat up to K=1024" claim was once timed this way.)
+With --target (smollm2, an HF directory or a .gguf) the real model is timed the way the decode loop runs it
+instead: `Engine.calibrate` at each context, every width in one jitted fori_loop with the cache carried in place
+(no per-call dispatch or cache copy; what an adaptive engine chooses from). Context c = a prompt of c tokens,
+decoding --max-new-tokens after it (the cache's capacity, which attention spans, is c + max_new + max K).
 Presets other than `tiny` need --random: their weights are Tunix's initialisation (values do not change dense
 compute time), in the preset's dtype (bf16 for the Qwen3 and Llama presets).
 """
@@ -19,6 +23,7 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -26,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_model.config import PRESETS, TINY_PRESETS, TargetConfig
-from dflash_model.target import KVCache, build_target, forward
+from dflash_model.target import KVCache, build_target, config_of, forward
 
 # The test suite's tiny Qwen3 shape: dispatch and per-op overheads dominate, the opposite extreme of a real model.
 TINY = TINY_PRESETS["qwen3"]
@@ -70,10 +75,39 @@ def time_point(model, cfg: TargetConfig, k: int, context: int, reps: int, batch:
     }
 
 
+def in_loop_points(target_model, ks: list[int], contexts: list[int], reps: int, max_new: int) -> list[dict]:
+    """ms of a verify forward at each K inside the decode loop (`Engine.calibrate`), at each context."""
+    import numpy as np
+
+    from infer.proposers import NGramProposer
+    from infer.spec import Engine
+
+    widths = sorted(set(ks))
+    engine = Engine(
+        target_model,
+        NGramProposer(),
+        block_size=max(max(widths), 2),
+        max_new_tokens=max_new,
+        adaptive=True,
+        widths=tuple(widths) if len(widths) > 1 else (1, widths[0]),
+    )
+    points = []
+    for c in contexts:
+        prompt = np.random.default_rng(c).integers(0, config_of(target_model).vocab_size, size=c).tolist()
+        costs = engine.calibrate(*engine.inputs([prompt]), reps=reps)
+        for k, ms in zip(costs["widths"], costs["verify_ms_measured"]):
+            if k in widths:
+                points.append({"k": k, "context": c, "batch": 1, "ms_in_loop": ms})
+        print(f"context {c}: " + ", ".join(f"K={p['k']} {p['ms_in_loop']:.1f} ms" for p in points[-len(widths) :]))
+    return points
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="tiny", help=f"tiny or one of {sorted(PRESETS)}")
     ap.add_argument("--random", action="store_true", help="random weights for a real-size preset")
+    ap.add_argument("--target", help="time a real target inside the decode loop: smollm2, an HF directory or a .gguf")
+    ap.add_argument("--max-new-tokens", type=int, default=256, help="with --target: the decode length after c")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
     ap.add_argument("--ks", default="1,16,32,64,128,256")
     ap.add_argument("--contexts", default="128,1024,4096")
@@ -81,13 +115,15 @@ def parse_args(argv=None):
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", default="runs/verify_cost.json")
     args = ap.parse_args(argv)
-    if args.preset != "tiny" and not args.random:
+    if args.preset != "tiny" and not args.random and not args.target:
         ap.error("real-size presets run with random weights only: pass --random")
     return args
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.target:
+        return main_in_loop(args)
     cfg = TINY if args.preset == "tiny" else PRESETS[args.preset]
     if args.dtype:
         cfg = cfg.replace(dtype=args.dtype)
@@ -122,6 +158,46 @@ def main(argv=None) -> dict:
         "machine": platform.processor() or platform.machine(),
         "points": points,
         "ratio_k128_over_k16": {str(c): r for c, r in ratios.items()},
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out}")
+    return result
+
+
+def main_in_loop(args) -> dict:
+    from infer.loading import load_target_spec
+
+    target = load_target_spec(args.target, args.dtype)
+    ks = [int(x) for x in args.ks.split(",")]
+    contexts = [int(x) for x in args.contexts.split(",")]
+    points = in_loop_points(target.model, ks, contexts, args.reps, args.max_new_tokens)
+    print(f"verify forward inside the decode loop, target={args.target} dtype={target.config.dtype} batch 1")
+    print(
+        "| K | "
+        + " | ".join(f"ms, context {c}" for c in contexts)
+        + " | "
+        + " | ".join(f"x K=1, context {c}" for c in contexts)
+        + " |"
+    )
+    print("|---:|" + "---:|" * (2 * len(contexts)))
+    by = {(p["context"], p["k"]): p["ms_in_loop"] for p in points}
+    for k in sorted(set(ks)):
+        ms = [by[(c, k)] for c in contexts]
+        rel = [by[(c, k)] / by[(c, min(ks))] for c in contexts]
+        print(f"| {k} | " + " | ".join(f"{m:.1f}" for m in ms) + " | " + " | ".join(f"{r:.2f}" for r in rel) + " |")
+    result = {
+        "command": "python benchmarks/verify_cost.py " + " ".join(sys.argv[1:]),
+        "target": args.target,
+        "dtype": target.config.dtype,
+        "max_new_tokens": args.max_new_tokens,
+        "reps": args.reps,
+        "timing": "Engine.calibrate: each width repeated inside one jitted fori_loop, (t(1+reps) - t(1)) / reps, "
+        "median of 3, block_until_ready",
+        "device": str(jax.devices()[0]),
+        "machine": platform.processor() or platform.machine(),
+        "points": points,
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -641,9 +641,8 @@ def propose(drafter: Drafter, target_model: nnx.Module, cache: DraftCache, last_
     return propose_scored(drafter, target_model, cache, last_token_B, block_size)[0]
 
 
-def propose_scored(drafter: Drafter, target_model: nnx.Module, cache: DraftCache, last_token_B, block_size: int):
-    """([B, K-1] int32 greedy proposals, [B, K-1] fp32 the drafter's probability of each): `propose` plus the
-    confidence an adaptive verify width is chosen from (the drafter's marginal at each position)."""
+def block_logits(drafter: Drafter, target_model: nnx.Module, cache: DraftCache, last_token_B, block_size: int):
+    """[B, K-1, V] fp32 logits of the drafter at positions 1..K-1 of the block [last, MASK x (K-1)]."""
     if block_size < 2:
         raise ValueError(f"block_size={block_size}: need at least 2 (the last token and one proposal)")
     b = last_token_B.shape[0]
@@ -651,10 +650,24 @@ def propose_scored(drafter: Drafter, target_model: nnx.Module, cache: DraftCache
     block = jnp.concatenate([jnp.asarray(last_token_B, jnp.int32)[:, None], mask], axis=1)
     hidden = _draft_hidden(drafter, target_model, cache, block)
     # Slot 0 only carries the last token; its logits are never used, so the lm_head skips it.
-    logits = lm_head(target_model, hidden[:, 1:])
+    return lm_head(target_model, hidden[:, 1:])
+
+
+def propose_scored(drafter: Drafter, target_model: nnx.Module, cache: DraftCache, last_token_B, block_size: int):
+    """([B, K-1] int32 greedy proposals, [B, K-1] fp32 the drafter's probability of each): `propose` plus the
+    confidence an adaptive verify width is chosen from (the drafter's marginal at each position)."""
+    logits = block_logits(drafter, target_model, cache, last_token_B, block_size)
     tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     prob = jnp.exp(jnp.max(logits, axis=-1) - jax.nn.logsumexp(logits, axis=-1))
     return tokens, prob
+
+
+def propose_top(drafter: Drafter, target_model: nnx.Module, cache: DraftCache, last_token_B, block_size: int, top: int):
+    """([B, K-1, top] int32 the `top` likeliest tokens at each block position, best first, [B, K-1, top] fp32
+    their log-probabilities): what a draft tree is built from."""
+    logits = block_logits(drafter, target_model, cache, last_token_B, block_size)
+    best, tokens = jax.lax.top_k(logits, top)
+    return tokens.astype(jnp.int32), best - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -118,6 +118,15 @@ class KVCache:
     def capacity(self) -> int:
         return self.k.shape[2]
 
+    def keep_path(self, start_B, path_BJ) -> KVCache:
+        """Move the entries at slots start + path[b, j] to slots start + j (j = 0..J-1), every layer: after a tree
+        forward, the accepted path's K/V lands where a sequential forward would have written it. O(L·B·J)."""
+        rows_BJ = jnp.broadcast_to(jnp.arange(path_BJ.shape[0], dtype=jnp.int32)[:, None], path_BJ.shape)
+        src_BJ = start_B[:, None] + path_BJ
+        dst_BJ = start_B[:, None] + jnp.arange(path_BJ.shape[1], dtype=jnp.int32)[None, :]
+        move = lambda buf: buf.at[:, rows_BJ, dst_BJ].set(buf[:, rows_BJ, src_BJ], mode="drop")
+        return self.replace(k=move(self.k), v=move(self.v))
+
     def crop(self, lengths) -> KVCache:
         """Roll every row back to `lengths` (scalar or [B]); never grows a row."""
         return self.replace(lengths=jnp.minimum(self.lengths, jnp.asarray(lengths, jnp.int32)))
@@ -176,6 +185,7 @@ def forward(
     layer_ids: tuple[int, ...] = (),
     compute_logits: bool = True,
     logits_at=None,
+    tree=None,
 ) -> TargetOutput:
     """One forward over T tokens per row.
 
@@ -186,18 +196,33 @@ def forward(
 
     layer_ids: 0-based decoder layers whose outputs are returned (layer i = HF hidden_states[i + 1]); only
       those are kept. logits_at: optional [B] index into T, to compute logits at one position per row.
+    tree: (depth_BT, visible_BTT), with a cache: the T tokens are the nodes of a draft tree (node 0 the root,
+      depth 0) instead of a sequence. Node t still writes its K/V at cache slot lengths + t, but sits at position
+      lengths + depth[t] and attends to the cache below `lengths` and to the nodes m with visible[t, m] (its
+      ancestors and itself).
     """
     cfg = config_of(model)
     layer_ids = validate_layer_ids(cfg, layer_ids)
     b, t = tokens_BT.shape
     start_B = jnp.zeros((b,), jnp.int32) if cache is None else cache.lengths
-    positions_BT = start_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-    cos, sin = rope_angles(positions_BT, rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+    positions_BT = start_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # also the cache slots written
     if cache is None:
         kv_positions = jnp.arange(t, dtype=jnp.int32)
     else:
         kv_positions = jnp.arange(cache.capacity, dtype=jnp.int32)
-    mask_BTS = kv_positions[None, None, :] <= positions_BT[:, :, None]
+    if tree is None:
+        rope_positions_BT = positions_BT
+        mask_BTS = kv_positions[None, None, :] <= positions_BT[:, :, None]
+    else:
+        if cache is None:
+            raise ValueError("a tree forward extends a cache: pass one")
+        depth_BT, visible_BTT = tree
+        rope_positions_BT = start_B[:, None] + depth_BT
+        node_S = kv_positions[None, :] - start_B[:, None]  # [B, S]: the node a cache slot holds, if in 0..T-1
+        in_tree = (node_S >= 0) & (node_S < t)
+        sees_node = jnp.take_along_axis(visible_BTT, jnp.clip(node_S, 0, t - 1)[:, None, :].repeat(t, 1), axis=2)
+        mask_BTS = (node_S < 0)[:, None, :] | (in_tree[:, None, :] & sees_node)
+    cos, sin = rope_angles(rope_positions_BT, rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
 
     eps = cfg.rms_norm_eps
     x = embed(model, tokens_BT)

@@ -162,10 +162,9 @@ def run_comparison(
             target_model,
             d.proposer,
             d.params,
-            block_size=d.block_size,
             max_new_tokens=max_new_tokens,
             stop_ids=stop_ids,
-            adaptive=d.adaptive,
+            **d.engine_options(),
         )
         for d in drafts
     ]
@@ -259,6 +258,7 @@ def summarize(records: list[dict], draft, max_new_tokens: int) -> dict:
         "draft": draft.name,
         "block_size": k,
         "adaptive": bool(getattr(draft, "adaptive", False)),
+        "tree_nodes": getattr(draft, "tree_nodes", None),
         "prompts": len(records),
         "max_new_tokens": max_new_tokens,
         **stats,
@@ -286,6 +286,53 @@ def summarize(records: list[dict], draft, max_new_tokens: int) -> dict:
         "mismatch_examples": mismatches[:10],
         "per_prompt": records,
     }
+
+
+def count_flips(reference: list[list[int]], tokens: list[list[int]]) -> dict:
+    """Where greedy answers part from a reference decoding of the same prompts (bf16 against fp32): a flip is the
+    first token where they differ (a near-tie in the logits that the lower precision resolves the other way);
+    after it the two texts go their own ways, so later tokens are not compared."""
+    first = []
+    for ref, got in zip(reference, tokens, strict=True):
+        j = next((j for j, (x, y) in enumerate(zip(ref, got)) if x != y), None)
+        if j is None and len(ref) != len(got):
+            j = min(len(ref), len(got))  # one stopped where the other went on
+        first.append(j)
+    flipped = [j for j in first if j is not None]
+    return {
+        "prompts": len(first),
+        "identical": len(first) - len(flipped),
+        "first_flip": first,
+        "median_first_flip": float(np.median(flipped)) if flipped else None,
+        "note": "first_flip[i]: index of the first answer token that differs from the reference decoding (None: "
+        "identical)",
+    }
+
+
+def _flips_against_fp32(target_spec: str, prompts, plain_answers, *, max_new_tokens: int, stop_ids) -> dict:
+    """Decode every prompt plainly with the target in fp32 and count where the lower-precision plain answers
+    part from it (`count_flips`). Untimed."""
+    fp32 = load_target_spec(target_spec, "float32")
+    engine = Engine(fp32.model, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
+    reference = [engine.generate([p])[0].tokens for p in prompts]
+    return count_flips(reference, plain_answers)
+
+
+def _flips_line(args, target, prompts, reports: dict, stop_ids) -> dict | None:
+    """Below fp32, the plain answers' flips against fp32 plain decoding (None at fp32)."""
+    if target.config.dtype == "float32":
+        return None
+    plain_answers = [r["plain_tokens"] for r in next(iter(reports.values()))["per_prompt"]]
+    return _flips_against_fp32(
+        args.target, prompts, plain_answers, max_new_tokens=args.max_new_tokens, stop_ids=stop_ids
+    )
+
+
+def format_flips(flips: dict) -> str:
+    return (
+        f"plain decoding against fp32 plain decoding: {flips['identical']}/{flips['prompts']} answers identical; "
+        f"first flips at tokens {[j for j in flips['first_flip'] if j is not None]}"
+    )
 
 
 def format_table(rep: dict) -> str:
@@ -405,14 +452,15 @@ def parse_args(argv=None):
     ap.add_argument(
         "--draft",
         action="append",
-        help="none | ngram | random | a drafter directory | hybrid:SPEC | adaptive:SPEC, optionally SPEC@K; "
+        help="none | ngram | random | a drafter directory | hybrid:SPEC | adaptive:SPEC | tree:DIR (or treeN:DIR, "
+        "a draft tree of N nodes), optionally SPEC@K; "
         "repeat to compare several in one interleaved run (one plain baseline)",
     )
     ap.add_argument(
         "--compare",
         metavar="DIR",
         help="compare every decoder of one drafter directory in one interleaved table: n-gram (K=8), adaptive "
-        "n-gram (K=16), DFlash, adaptive DFlash, hybrid, adaptive hybrid (adds to --draft)",
+        "n-gram (K=16), DFlash, adaptive DFlash, hybrid, adaptive hybrid, DDTree (adds to --draft)",
     )
     ap.add_argument(
         "--repeats", type=at_least(1), default=1, help="decode every prompt this many times (medians and range)"
@@ -442,6 +490,7 @@ def compare_specs(drafter_dir: str) -> list[str]:
         f"adaptive:{drafter_dir}",
         f"hybrid:{drafter_dir}",
         f"adaptive:hybrid:{drafter_dir}",
+        f"tree:{drafter_dir}",
     ]
 
 
@@ -492,10 +541,13 @@ def main(argv=None) -> dict:
             "dtype": target.config.dtype,
             "reports": reports,
         }
+        flips = _flips_line(args, target, prompts, reports, stop_ids)
+        if flips:
+            rep["flips_vs_fp32"] = flips
         # No path of this machine in a result meant to be committed: the home directory reads as ~.
         atomic_write_text(out / "eval.json", json.dumps(rep, indent=1).replace(str(Path.home()), "~"))
         plot_comparison(reports, out / "acceptance.png", title=f"{args.dataset}: per-position acceptance")
-        table = format_comparison(reports)
+        table = format_comparison(reports) + (f"\n\n{format_flips(flips)}" if flips else "")
         atomic_write_text(out / "table.md", table + "\n")
         print(table)
         print(f"wrote {out / 'eval.json'}, {out / 'table.md'} and {out / 'acceptance.png'}")
@@ -512,9 +564,12 @@ def main(argv=None) -> dict:
         overhead=True,
     )
     rep.update(target=str(target.path), dataset=args.dataset, device=str(jax.devices()[0]), dtype=target.config.dtype)
+    flips = _flips_line(args, target, prompts, {drafts[0].name: rep}, stop_ids)
+    if flips:
+        rep["flips_vs_fp32"] = flips
     atomic_write_text(out / "eval.json", json.dumps(rep, indent=1))
     plot_acceptance(rep, out / "acceptance.png")
-    print(format_table(rep))
+    print(format_table(rep) + (f"\n\n{format_flips(flips)}" if flips else ""))
     print(f"wrote {out / 'eval.json'} and {out / 'acceptance.png'}")
     return rep
 

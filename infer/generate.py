@@ -77,11 +77,10 @@ def run(args) -> dict:
         target.model,
         draft.proposer,
         draft.params,
-        block_size=draft.block_size,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         stop_ids=stop_ids,
-        adaptive=draft.adaptive,
+        **draft.engine_options(),
     )
     gen = engine.generate([ids], seed=args.seed)[0]
     result = {

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 from pathlib import Path
 from typing import Any
 
 from infer import proposers
 
 NGRAM_BLOCK = 8  # default K for prompt lookup: cheap drafts, and verify costs about the same up to here
+TREE_NODES = 16  # default draft-tree size (nodes besides the root) of 'tree:DIR'
 
 
 def at_least(low: int):
@@ -69,6 +71,11 @@ class Draft:
     params: Any
     block_size: int  # the K to use (the drafter's trained K unless --block says otherwise)
     adaptive: bool = False  # verify a width chosen per round (infer.spec.choose_width), not always K
+    tree_nodes: int | None = None  # verify a draft tree of this many nodes per round (infer.tree), not a chain
+
+    def engine_options(self) -> dict:
+        """The `infer.spec.Engine` keywords this draft decodes with."""
+        return dict(block_size=self.block_size, adaptive=self.adaptive, tree_nodes=self.tree_nodes)
 
 
 def load_draft_spec(
@@ -84,7 +91,17 @@ def load_draft_spec(
     target), a DFlash drafter directory, or 'hybrid:' + one of the last two (n-gram where it matches, else
     DFlash); 'adaptive:' before any but none verifies a width chosen per round. dtype: a directory's compute
     dtype (default: as saved); zero_features: the features.zero ablation (the drafter sees zeros instead of
-    target features)."""
+    target features). 'tree:DIR' (or 'treeN:DIR', N nodes; default TREE_NODES) verifies a draft tree built from
+    the drafter's per-position distributions (DDTree) instead of its greedy block."""
+    tree = re.match(r"tree(\d*):(.*)", spec)
+    if tree:
+        inner = load_draft_spec(tree[2], target_cfg, block, seed, dtype=dtype, zero_features=zero_features)
+        if not hasattr(inner.proposer, "propose_top"):
+            raise ValueError(f"--draft {spec!r}: a draft tree needs a DFlash drafter (a directory or random)")
+        nodes = int(tree[1] or TREE_NODES)
+        if nodes < 1:
+            raise ValueError(f"--draft {spec!r}: a tree needs at least 1 node")
+        return dataclasses.replace(inner, name=f"tree{nodes}-{inner.name}", tree_nodes=nodes)
     if spec.startswith("adaptive:"):
         inner = load_draft_spec(
             spec.split(":", 1)[1], target_cfg, block, seed, dtype=dtype, zero_features=zero_features

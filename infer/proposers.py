@@ -14,6 +14,7 @@ explicit arguments; its parameters (if any) travel separately as a pytree `param
       [history[b, n_B[b]-1], d_1 .. d_{k-1}] at positions n_B[b]-1 .. n_B[b]+k-2.
   propose_scored(...same...) -> Proposal     (optional: what an adaptive verify width is chosen from; `scored`
       gives proposers without it the defaults)
+  propose_top(...same..., top) -> ([B, K-1, top] tokens, [B, K-1, top] log-probs)   (optional: a draft tree's)
 
 Dimension letters: docs/glossary.md (one glossary for the repository).
 """
@@ -188,6 +189,14 @@ class DFlashProposer:
         tokens, prob = propose_scored(params, target, state, last_tokens(history_BC, n_B), k)
         b = tokens.shape[0]
         return Proposal(tokens.astype(jnp.int32), prob, jnp.full((b,), DRAFTER, jnp.int32), jnp.bool_(True))
+
+    def propose_top(self, params, target, state, history_BC, n_B, k, top):
+        """([B, K-1, top] the drafter's `top` likeliest tokens per position, [B, K-1, top] their log-probs)."""
+        from dflash_model.drafter import propose_top
+
+        if k > self.config.block_size:
+            raise ValueError(f"block size {k} is larger than the drafter's trained K={self.config.block_size}")
+        return propose_top(params, target, state, last_tokens(history_BC, n_B), k, top)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,7 +27,8 @@ import numpy as np
 
 from dflash_model.target import KVCache, config_of, forward
 from infer.plain import pad_prompts, truncate_at_stop
-from infer.proposers import SOURCES, NoProposer, scored
+from infer.proposers import SOURCES, NoProposer, Proposal, scored
+from infer.tree import build_tree, walk_tree
 
 # Trace counts of the jitted steps (incremented only while tracing): tests check one compile per shape bucket.
 TRACES: collections.Counter = collections.Counter()
@@ -122,33 +123,59 @@ def _verify(target, proposer, st: DecodeState, last_B, drafts_BJ, key, *, width,
     return jnp.pad(target_tok, ((0, 0), (0, pad))), a, feats, out.cache, nonfinite
 
 
-def _round(target, proposer, params, st: DecodeState, *, k, temperature, max_new, widths) -> DecodeState:
+def _verify_tree(target, proposer, params, st: DecodeState, last_B, key, *, k, tree, temperature):
+    """A DDTree round's verify: the drafter's top tokens per position, the best `nodes` prefixes as a tree, one
+    target forward over all of them (tree attention), the walk. The target's tokens along the path, the accepted
+    count, the path's features and a cache whose path entries sit where a sequential verify puts them."""
+    nodes, top = tree
+    tokens_BJO, logp_BJO = proposer.propose_top(params, target, st.draft, st.history, st.n, k, top)
+    tr = build_tree(tokens_BJO, logp_BJO, nodes)
+    node_tok = jnp.where(tr.valid, tr.token, 0).at[:, 0].set(last_B)
+    out = forward(target, node_tok, st.cache, layer_ids=proposer.layer_ids, tree=(tr.depth, tr.visible))
+    TRACES[f"tree@{nodes}"] += 1
+    target_tok_BE = _pick(out.logits, temperature, key)  # at T > 0 an independent sample per node
+    path_BK, a = walk_tree(target_tok_BE, tr, k - 1)
+    committed = jnp.take_along_axis(target_tok_BE, path_BK, axis=1)
+    feats = None if out.features is None else jnp.take_along_axis(out.features, path_BK[..., None], axis=1)
+    cache = out.cache.keep_path(st.cache.lengths, path_BK)
+    nonfinite = ~jnp.all(jnp.isfinite(out.logits))
+    prop = Proposal(tokens_BJO[..., 0], jnp.exp(logp_BJO[..., 0]), jnp.zeros_like(last_B), jnp.bool_(True))
+    return prop, committed, a, feats, cache, nonfinite
+
+
+def _round(target, proposer, params, st: DecodeState, *, k, temperature, max_new, widths, tree) -> DecodeState:
     """One draft -> verify -> accept -> commit round for every row (finished rows run along, change nothing).
 
     widths None: every round verifies the whole block of K. Otherwise the round verifies the first w of it, w
     from `widths` (each a branch of one lax.switch, so each compiles once) chosen by `choose_width` from the
     proposer's confidence (or, where it has none, the acceptance measured so far for the row's source) and the
-    measured cost of a round at each width."""
+    measured cost of a round at each width. tree (nodes, top): a DDTree round (`_verify_tree`) instead."""
     b = st.n.shape[0]
     start = st.n - 1
     last = jnp.take_along_axis(st.history, start[:, None], axis=1)[:, 0]
     key = jax.random.fold_in(st.key, st.rounds)
     live = ~st.done
-    prop = scored(proposer, params, target, st.draft, st.history, st.n, k)
-    drafts = prop.tokens  # [B, K-1]
-    if widths is None:
+    if tree is not None:
+        prop, target_tok, a, feats, cache, nonfinite = _verify_tree(
+            target, proposer, params, st, last, key, k=k, tree=tree, temperature=temperature
+        )
+        width = jnp.int32(tree[0] + 1)  # the tree's nodes, root included
+    elif widths is None:
+        prop = scored(proposer, params, target, st.draft, st.history, st.n, k)
         target_tok, a, feats, cache, nonfinite = _verify(
-            target, proposer, st, last, drafts, key, width=k, k=k, temperature=temperature
+            target, proposer, st, last, prop.tokens, key, width=k, k=k, temperature=temperature
         )
         width = jnp.int32(k)
     else:
+        prop = scored(proposer, params, target, st.draft, st.history, st.n, k)
         measured_BJ = measured_rates(st.tries, st.hits)[prop.source]
         conf = jnp.where(jnp.isnan(prop.prob), measured_BJ, prop.prob)
         cost_Z = st.verify_ms_Z + jnp.where(prop.drafted, st.draft_ms, 0.0)
         choice = choose_width(conf, live, widths, cost_Z)
         branches = [functools.partial(_verify, target, proposer, width=w, k=k, temperature=temperature) for w in widths]
-        target_tok, a, feats, cache, nonfinite = jax.lax.switch(choice, branches, st, last, drafts, key)
+        target_tok, a, feats, cache, nonfinite = jax.lax.switch(choice, branches, st, last, prop.tokens, key)
         width = jnp.asarray(widths, jnp.int32)[choice]
+    drafts = prop.tokens  # [B, K-1]; a tree round records the drafter's greedy chain
     # Draft j was tried when it was verified and drafts 1..j-1 were accepted; hit when it was accepted too.
     j = jnp.arange(1, k)[None, :]
     tried_BJ = (live[:, None] & (j < width) & (a[:, None] >= j - 1)).astype(jnp.float32)
@@ -190,11 +217,25 @@ def _round(target, proposer, params, st: DecodeState, *, k, temperature, max_new
 
 
 def _prefill_impl(
-    target, proposer, params, ids_BP, lengths_B, key, stop_Y, verify_ms_Z, draft_ms, *, k, temperature, max_new, widths
+    target,
+    proposer,
+    params,
+    ids_BP,
+    lengths_B,
+    key,
+    stop_Y,
+    verify_ms_Z,
+    draft_ms,
+    *,
+    k,
+    temperature,
+    max_new,
+    widths,
+    tree,
 ):
     TRACES["prefill"] += 1
     b, p = ids_BP.shape
-    capacity = p + max_new + k
+    capacity = p + max_new + max(k, tree[0] + 1 if tree else 0)  # a verify writes K (or a tree's nodes) slots
     out = forward(
         target,
         ids_BP,
@@ -230,10 +271,10 @@ def _prefill_impl(
     )
 
 
-def _decode_impl(target, proposer, params, st, *, k, temperature, max_new, widths):
+def _decode_impl(target, proposer, params, st, *, k, temperature, max_new, widths, tree):
     TRACES["decode"] += 1
     step = functools.partial(
-        _round, target, proposer, params, k=k, temperature=temperature, max_new=max_new, widths=widths
+        _round, target, proposer, params, k=k, temperature=temperature, max_new=max_new, widths=widths, tree=tree
     )
     max_rounds = st.accept.shape[1]
     return jax.lax.while_loop(lambda s: (s.rounds < max_rounds) & ~jnp.all(s.done), step, st)
@@ -241,7 +282,7 @@ def _decode_impl(target, proposer, params, st, *, k, temperature, max_new, width
 
 # Modules (target, DFlash drafter) are jit arguments as pytrees: their GraphDefs cannot be static arguments
 # because Tunix's ModelConfig, held in them, is unhashable.
-_STATIC = ("proposer", "k", "temperature", "max_new", "widths")
+_STATIC = ("proposer", "k", "temperature", "max_new", "widths", "tree")
 _prefill = jax.jit(_prefill_impl, static_argnames=_STATIC)
 _decode = jax.jit(_decode_impl, static_argnames=_STATIC, donate_argnames=("st",))
 
@@ -324,6 +365,8 @@ class Engine:
         stop_ids=(),
         adaptive: bool = False,
         widths: tuple[int, ...] | None = None,
+        tree_nodes: int | None = None,
+        tree_top: int = 4,
     ):
         proposer = proposer or NoProposer()
         if block_size < 1:
@@ -345,7 +388,22 @@ class Engine:
                 raise ValueError(
                     f"adaptive widths must be at least two values in 1..{k} (the block size), got {widths}"
                 )
-        self.static = dict(k=k, temperature=float(temperature), max_new=int(max_new_tokens), widths=widths)
+        tree = None
+        if tree_nodes is not None:
+            if adaptive:
+                raise ValueError(
+                    "a draft tree sets its own width (its nodes): tree_nodes and adaptive exclude each other"
+                )
+            if not hasattr(proposer, "propose_top"):
+                raise ValueError(
+                    f"a draft tree needs per-position distributions; the {proposer.name} proposer has none"
+                )
+            if not (tree_nodes >= 1 and tree_top >= 1 and k >= 2):
+                raise ValueError(
+                    f"a draft tree needs tree_nodes >= 1, tree_top >= 1, K >= 2; got {tree_nodes}, {tree_top}, {k}"
+                )
+            tree = (int(tree_nodes), int(tree_top))
+        self.static = dict(k=k, temperature=float(temperature), max_new=int(max_new_tokens), widths=widths, tree=tree)
         # Costs (ms) of a verify at each candidate width and of the drafter's forward; `calibrate` measures them.
         self.costs: dict | None = None
         self.stop_ids = tuple(sorted({int(s) for s in stop_ids}))
@@ -358,7 +416,9 @@ class Engine:
 
     @property
     def widths(self) -> tuple[int, ...]:
-        """The verify widths this engine may use: its candidates, or the block size alone."""
+        """The verify widths this engine may use: its candidates, the block size alone, or a tree's nodes."""
+        if self.static["tree"]:
+            return (self.static["tree"][0] + 1,)
         return self.static["widths"] or (self.block_size,)
 
     @property
@@ -392,7 +452,8 @@ class Engine:
         st = self._prefill(ids_BP, lengths_B, key, None)  # the probes read shapes and caches, not costs
         k = self.block_size
         verify_ms = [
-            _loop_ms(lambda r, w=w: _probe_verify(self.target, self.proposer, st, r, width=w, k=k), reps)
+            # A tree's verify is timed as a sequential one over as many tokens (the same matmuls; another mask).
+            _loop_ms(lambda r, w=w: _probe_verify(self.target, self.proposer, st, r, width=w, k=max(k, w)), reps)
             for w in self.widths
         ]
         # The cost of the model forward a round may pay: the hybrid's is its drafter's; n-gram lookup is nearly free.
@@ -401,8 +462,12 @@ class Engine:
         if k > 1:
             draft_ms = _loop_ms(lambda r: _probe_draft(self.target, model, self.params, st, r, k=k), reps)
         # A wider verify never costs less; a measured dip is noise, and would make the choice chase it.
-        verify_ms = np.maximum.accumulate(verify_ms).tolist()
-        self.costs = {"widths": list(self.widths), "verify_ms": verify_ms, "draft_ms": draft_ms}
+        self.costs = {
+            "widths": list(self.widths),
+            "verify_ms": np.maximum.accumulate(verify_ms).tolist(),
+            "verify_ms_measured": verify_ms,
+            "draft_ms": draft_ms,
+        }
         return self.costs
 
     def decode(self, state: DecodeState) -> DecodeState:

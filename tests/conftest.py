@@ -15,6 +15,7 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 
 FIXTURES = Path(__file__).parent / "fixtures"
+REPO = Path(__file__).resolve().parent.parent
 
 
 def tiny_config(family: str, **changes):

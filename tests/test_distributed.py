@@ -18,12 +18,12 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from conftest import REPO
 
 from data.pipeline import TokenizedRecords, build_dataset
 from train.config import load_config
 from train.trainer import Trainer
 
-REPO = Path(__file__).resolve().parent.parent
 STEPS = 5
 # Smaller than tiny (2 target layers, 1 drafter layer): three compilations of the step share 2 CPU cores.
 OVERRIDES = [

@@ -5,8 +5,8 @@ import ast
 from pathlib import Path
 
 import pytest
+from conftest import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 ORDER = ["dflash_model", "data", "infer", "train", "benchmarks"]
 
 

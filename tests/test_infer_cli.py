@@ -5,12 +5,12 @@ import json
 import math
 
 import pytest
-from conftest import FIXTURES
+from conftest import FIXTURES, REPO
 
 from dflash_model.weights import load_target
 from infer import eval as ev
 from infer import generate
-from infer.loading import Draft
+from infer.loading import Draft, load_draft_spec
 from infer.plain import greedy_generate
 from infer.proposers import NGramProposer
 from infer.spec import Engine
@@ -113,7 +113,15 @@ def test_eval_compares_adaptive_and_fixed_with_repeats(tmp_path):
     assert set(widths) <= {1, 2, 4} and rep["adaptive-ngram"]["costs_ms"]["adaptive-ngram"]["widths"] == [1, 2, 4]
     assert rep["ngram"]["mean_verify_width"] == 4.0
     assert "| adaptive-ngram | 4 |" in (out / "table.md").read_text()
-    assert ev.compare_specs("D") == ["ngram@8", "adaptive:ngram@16", "D", "adaptive:D", "hybrid:D", "adaptive:hybrid:D"]
+    assert ev.compare_specs("D") == [
+        "ngram@8",
+        "adaptive:ngram@16",
+        "D",
+        "adaptive:D",
+        "hybrid:D",
+        "adaptive:hybrid:D",
+        "tree:D",
+    ]
 
 
 def test_eval_counts_lossless_mismatches():
@@ -161,6 +169,11 @@ def test_smollm2_ngram_equals_plain_greedy(smollm2):
     out = Engine(model, NGramProposer(), block_size=8, max_new_tokens=24).generate(prompts)
     assert [g.tokens for g in out] == [ex["new_ids"][:24] for ex in examples]
     assert all(len(g.proposals[0]) == 7 for g in out)
+    # The shipped drafter's DDTree (16 nodes): the same ids, and more tokens per round than its greedy chain.
+    draft = load_draft_spec("tree:" + str(REPO / "drafters" / "smollm2-135m-dflash"), model.target_config)
+    tree = Engine(model, draft.proposer, draft.params, max_new_tokens=24, **draft.engine_options()).generate(prompts)
+    assert [g.tokens for g in tree] == [ex["new_ids"][:24] for ex in examples]
+    assert all(w == 17 for g in tree for w in g.verify_widths)
 
 
 @pytest.mark.parametrize("bad", ["999999", "-1"])

@@ -352,3 +352,114 @@ def test_adaptive_width_is_lossless_and_varies(family):
     # Batch 1, and the n-gram proposer (measured rates per source: lookup, repeat).
     ngram = Engine(target, NGramProposer(), block_size=k, max_new_tokens=MAX_NEW, adaptive=True)
     assert [ngram.generate([p])[0].tokens for p in prompts] == ref
+
+
+# --- draft trees (DDTree) ------------------------------------------------------------------------------------
+
+
+def test_build_tree_takes_the_best_prefixes_and_walk_follows_the_target():
+    """Hand-computed: depth-1 candidates 10/11 (log-probs -0.1/-1.0), depth 2 20/21 (-0.2/-0.5), depth 3 30/31
+    (-0.35/-2.0). The five best prefixes are 10 (-0.1), 10-20 (-0.3), 10-21 (-0.6), 10-20-30 (-0.65),
+    10-21-30 (-0.95); a target that says 10, 21, 30, then 99 is followed down 0 -> 1 -> 3 -> 5 and commits
+    10 21 30 99. With one candidate per depth and two depths only two nodes exist; the rest are invalid."""
+    from infer.tree import build_tree, walk_tree
+
+    tokens = jnp.asarray([[[10, 11], [20, 21], [30, 31]]], jnp.int32)
+    logp = jnp.asarray([[[-0.1, -1.0], [-0.2, -0.5], [-0.35, -2.0]]], jnp.float32)
+    tree = build_tree(tokens, logp, 5)
+    assert tree.token[0, 1:].tolist() == [10, 20, 21, 30, 30]
+    assert tree.parent[0].tolist() == [0, 0, 1, 1, 2, 3]
+    assert tree.depth[0].tolist() == [0, 1, 2, 2, 3, 3]
+    assert np.flatnonzero(np.asarray(tree.visible[0, 5])).tolist() == [0, 1, 3, 5]
+    assert tree.valid[0].tolist() == [True] * 6
+    target_tok = jnp.asarray([[10, 21, 99, 30, 99, 99]], jnp.int32)  # the target's token at each node
+    path, a = walk_tree(target_tok, tree, 3)
+    assert path[0].tolist() == [0, 1, 3, 5] and a.tolist() == [3]
+    assert jnp.take_along_axis(target_tok, path, axis=1)[0].tolist() == [10, 21, 30, 99]
+    # The target disagrees at the root: nothing accepted, the bonus is its root token.
+    path, a = walk_tree(jnp.asarray([[12, 21, 99, 30, 99, 99]], jnp.int32), tree, 3)
+    assert a.tolist() == [0] and path[0].tolist() == [0, 0, 0, 0]
+    small = build_tree(tokens[:, :2, :1], logp[:, :2, :1], 4)
+    assert small.valid[0].tolist() == [True, True, True, False, False]
+    assert small.parent[0, :3].tolist() == [0, 0, 1]
+
+
+@dataclasses.dataclass(frozen=True)
+class OracleTree(OracleMix):
+    """OracleMix for trees: at each depth the drafter's top tokens, with the true greedy token put in at rank
+    (true token mod top) except where it is a multiple of 3, so that the target's path often leaves rank 0."""
+
+    def propose_top(self, params, target, state, history, n, k, top):
+        tokens, _ = self.inner.propose_top(params["drafter"], target, state, history, n, k, top)
+        j = jnp.arange(k - 1)[None, :]
+        truth = jnp.take_along_axis(params["ref"], (n - params["plen"])[:, None] + j, axis=1)
+        rank = jnp.arange(top)[None, None, :]
+        put = (truth % 3 != 0)[..., None] & (rank == (truth % top)[..., None])
+        logp = jnp.broadcast_to(-0.3 * (rank + 1.0), tokens.shape)  # best first, every depth alike
+        return jnp.where(put, truth[..., None], tokens), logp
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_tree_decoding_equals_plain_greedy(family):
+    """DDTree rounds (12 nodes, top 3) equal plain greedy at batch 2 and 1, with drafts accepted off the greedy
+    chain (the tree pays); both caches stay at the committed length; the decode and the tree verify compile
+    once. The untrained DFlash drafter's own tree is lossless too."""
+    k, nodes = 8, 12
+    target = _target(family)
+    prompts = _prompts(seed=3)
+    ref = _plain(family, prompts)
+    cfg, drafter = _tiny_drafter(family)
+    params = _oracle_params(drafter, prompts, ref, k)
+    engine = Engine(
+        target,
+        OracleTree(DFlashProposer(cfg)),
+        params,
+        block_size=k,
+        max_new_tokens=MAX_NEW,
+        tree_nodes=nodes,
+        tree_top=3,
+    )
+    assert engine.widths == (nodes + 1,)
+    before = dict(TRACES)
+    state = engine.decode(engine.prefill(*engine.inputs(prompts)))
+    out = engine.results(state)
+    assert [g.tokens for g in out] == ref
+    off_chain = 0
+    for g in out:
+        assert all(w == nodes + 1 for w in g.verify_widths)
+        at = 0
+        for a, chain in zip(g.accept_lengths, g.proposals):
+            off_chain += a >= 2 and g.tokens[at + 1] != chain[0]  # an accepted first draft that is not rank 0
+            at += a
+    assert off_chain >= 2, off_chain
+    assert np.mean([a for g in out for a in g.accept_lengths]) > 1.25  # measured 1.68 (qwen3), 1.38 (llama)
+    n = np.asarray(state.n)
+    np.testing.assert_array_equal(np.asarray(state.draft.lengths), n - 1)
+    np.testing.assert_array_equal(np.asarray(state.cache.lengths), n - 1)
+    traced = {key: TRACES[key] - before.get(key, 0) for key in TRACES}
+    assert traced["decode"] == 1 and traced[f"tree@{nodes}"] == 1, traced
+    # Batch 1 with the oracle's own rows, and the untrained drafter's tree at batch 2.
+    for i, p in enumerate(prompts):
+        alone = _oracle_params(drafter, [p], [ref[i]], k)
+        one = Engine(
+            target,
+            OracleTree(DFlashProposer(cfg)),
+            alone,
+            block_size=k,
+            max_new_tokens=MAX_NEW,
+            tree_nodes=nodes,
+            tree_top=3,
+        )
+        assert one.generate([p])[0].tokens == ref[i]
+    plain_tree = Engine(target, DFlashProposer(cfg), drafter, block_size=k, max_new_tokens=MAX_NEW, tree_nodes=6)
+    assert [g.tokens for g in plain_tree.generate(prompts)] == ref
+
+
+def test_tree_engine_refuses_what_it_cannot_do():
+    with pytest.raises(ValueError, match="no per-position distributions|has none"):
+        Engine(_target("qwen3"), NGramProposer(), block_size=4, max_new_tokens=4, tree_nodes=4)
+    cfg, drafter = _tiny_drafter("qwen3")
+    with pytest.raises(ValueError, match="exclude each other"):
+        Engine(
+            _target("qwen3"), DFlashProposer(cfg), drafter, block_size=4, max_new_tokens=4, tree_nodes=4, adaptive=True
+        )

@@ -5,11 +5,9 @@ benchmarks/synthetic_tasks.py is the same run, with a longer copy task beside it
 
 import importlib.util
 import sys
-from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parent.parent
+from conftest import REPO
 
 
 def _synthetic_tasks():

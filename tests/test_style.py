@@ -3,11 +3,9 @@ pyproject.toml's dev extra, so the formatter's output cannot drift between machi
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parent.parent
+from conftest import REPO
 
 
 @pytest.mark.parametrize("args", [["check", "."], ["format", "--check", "."]])

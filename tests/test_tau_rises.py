@@ -6,11 +6,9 @@ output stays equal to plain greedy output. benchmarks/tiny_tau.py is the same ru
 
 import importlib.util
 import sys
-from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parent.parent
+from conftest import REPO
 
 
 def _tiny_tau():

@@ -19,12 +19,11 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from conftest import REPO
 from flax import nnx
 
 from train.config import load_config
 from train.trainer import Trainer, TrainingDiverged
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def _records(run_dir):

@@ -1,0 +1,120 @@
+"""Draft trees (DDTree): many candidate continuations from one drafter forward, verified in one target forward.
+
+The drafter gives a distribution per block position (`dflash_model.drafter.propose_top`: its `top` likeliest
+tokens at each). A draft tree holds the likeliest prefixes of those: a path that picks the rank-r_j token at
+depth j scores sum_j logp[j, r_j], and the tree keeps the N best-scoring prefixes. Every prefix of a kept path
+scores at least as high (log-probabilities are <= 0), so the set is a tree.
+
+Best first without enumerating: each prefix has one successor of each kind, its first child (append the rank-0
+token of the next depth) and its next sibling (raise its last rank by one), neither scoring higher than it; every
+prefix is reached exactly once that way. Popping the best of a frontier N times, pushing both successors of each
+pop, visits the N best prefixes in order with a frontier of at most 2N + 1 (fixed shapes: one compile per N).
+
+Node 0 is the root: the last committed token, at depth 0. Node i >= 1 was popped i-th, so its parent has a lower
+index. The tree is hand-written: no JAX library builds or walks draft trees.
+
+Dimension letters: docs/glossary.md (here E = nodes of a tree, root included; J = depths 1..K-1; O = ranks).
+"""
+
+from __future__ import annotations
+
+import flax
+import jax
+import jax.numpy as jnp
+
+
+@flax.struct.dataclass
+class DraftTree:
+    token: jax.Array  # [B, E] int32 the node's token (node 0: filled in by the caller with the last token)
+    parent: jax.Array  # [B, E] int32 (node 0: 0)
+    depth: jax.Array  # [B, E] int32 (node 0: 0)
+    visible: jax.Array  # [B, E, E] bool: visible[i, m] iff m is i or one of its ancestors
+    valid: jax.Array  # [B, E] bool: False for nodes past the available prefixes (never matched)
+
+
+def build_tree(tokens_BJO, logp_BJO, nodes: int) -> DraftTree:
+    """The `nodes` best-scoring prefixes of per-depth candidates (tokens_BJO[b, j, r]: rank-r token at depth j+1,
+    best first; logp_BJO its log-probability), plus the root: a tree of E = nodes + 1."""
+    return jax.vmap(lambda t, lp: _build_row(t, lp, nodes))(tokens_BJO, logp_BJO)
+
+
+def _build_row(tok_JO, logp_JO, nodes: int) -> DraftTree:
+    depths, ranks = tok_JO.shape
+    e, f = nodes + 1, 2 * nodes + 1
+    neg = jnp.float32(-jnp.inf)
+    logp_JO = logp_JO.astype(jnp.float32)
+    # Frontier: candidate prefixes, each its last (depth, rank), its parent node and its score; -inf = empty.
+    frontier = dict(
+        score=jnp.full((f,), neg).at[0].set(logp_JO[0, 0]),
+        depth=jnp.ones((f,), jnp.int32),
+        rank=jnp.zeros((f,), jnp.int32),
+        parent=jnp.zeros((f,), jnp.int32),
+    )
+    tree = DraftTree(
+        token=jnp.zeros((e,), jnp.int32),
+        parent=jnp.zeros((e,), jnp.int32),
+        depth=jnp.zeros((e,), jnp.int32),
+        visible=jnp.eye(e, dtype=bool),
+        valid=jnp.zeros((e,), bool).at[0].set(True),
+    )
+
+    def pop(i, carry):
+        fr, tr = carry
+        best = jnp.argmax(fr["score"])
+        ok = fr["score"][best] > neg
+        d, r, par, score = fr["depth"][best], fr["rank"][best], fr["parent"][best], fr["score"][best]
+        tr = tr.replace(
+            token=tr.token.at[i].set(jnp.where(ok, tok_JO[d - 1, r], 0)),
+            parent=tr.parent.at[i].set(jnp.where(ok, par, 0)),
+            depth=tr.depth.at[i].set(jnp.where(ok, d, 1)),
+            visible=tr.visible.at[i].set(tr.visible[i] | (ok & tr.visible[par])),
+            valid=tr.valid.at[i].set(ok),
+        )
+        # Its first child goes to slot 2i - 1, its next sibling to slot 2i (each pop frees one slot, fills two).
+        child_ok = ok & (d < depths)
+        child = jnp.where(child_ok, score + logp_JO[jnp.minimum(d, depths - 1), 0], neg)
+        sib_ok = ok & (r + 1 < ranks)
+        sib = jnp.where(sib_ok, score - logp_JO[d - 1, r] + logp_JO[d - 1, jnp.minimum(r + 1, ranks - 1)], neg)
+        fr = dict(
+            score=fr["score"].at[best].set(neg).at[2 * i - 1].set(child).at[2 * i].set(sib),
+            depth=fr["depth"].at[2 * i - 1].set(d + 1).at[2 * i].set(d),
+            rank=fr["rank"].at[2 * i - 1].set(0).at[2 * i].set(r + 1),
+            parent=fr["parent"].at[2 * i - 1].set(i).at[2 * i].set(par),
+        )
+        return fr, tr
+
+    return jax.lax.fori_loop(1, e, pop, (frontier, tree))[1]
+
+
+def walk_tree(target_tok_BE, tree: DraftTree, depths: int):
+    """Follow the target down the tree: from the root, move to the child whose token is the target's token at the
+    current node, while one exists. ([B, depths + 1] the path's nodes, root first, 0 past its end; [B] accepted
+    drafts a). The committed tokens are target_tok at path[0..a]: the a accepted drafts, then the bonus token.
+
+    Greedy, the target's token is its argmax; at T > 0 it is a sample per node from the target's distribution
+    given that node's path, and the walk commits exactly those samples, so the output is distributed as the target
+    alone would sample it, whatever the tree (which the drafter built without seeing the samples)."""
+    b, e = target_tok_BE.shape
+    node_E = jnp.arange(e)
+
+    def step(j, carry):
+        cur_B, path_BD, a_B, alive_B = carry
+        want_B = jnp.take_along_axis(target_tok_BE, cur_B[:, None], axis=1)[:, 0]
+        match_BE = (tree.parent == cur_B[:, None]) & (tree.token == want_B[:, None]) & tree.valid & (node_E > 0)
+        found_B = alive_B & jnp.any(match_BE, axis=1)
+        child_B = jnp.argmax(match_BE, axis=1).astype(jnp.int32)
+        cur_B = jnp.where(found_B, child_B, cur_B)
+        path_BD = path_BD.at[:, j].set(jnp.where(found_B, child_B, 0))
+        return cur_B, path_BD, a_B + found_B, found_B
+
+    init = (
+        jnp.zeros((b,), jnp.int32),
+        jnp.zeros((b, depths + 1), jnp.int32),
+        jnp.zeros((b,), jnp.int32),
+        jnp.ones((b,), bool),
+    )
+    _, path, a, _ = jax.lax.fori_loop(1, depths + 1, step, init)
+    return path, a
+
+
+__all__ = ["DraftTree", "build_tree", "walk_tree"]
