@@ -44,6 +44,18 @@ class GreedyOracle:
         return jnp.stack(drafts, axis=1)
 
 
+@dataclasses.dataclass(frozen=True)
+class TreeOracle(GreedyOracle):
+    """Per depth: the greedy continuation at rank 0, then other tokens; a draft tree over them holds the
+    target's likeliest paths and some alternatives, so sampled tokens often continue off the greedy chain."""
+
+    def propose_top(self, params, target, state, history, n, k, top):
+        chain = self.propose(params, target, state, history, n, k)
+        tokens = (chain[..., None] + 7 * jnp.arange(top)) % VOCAB
+        logp = jnp.broadcast_to(-0.1 - jnp.arange(top, dtype=jnp.float32), tokens.shape)
+        return tokens.astype(jnp.int32), logp
+
+
 @pytest.fixture(scope="module")
 def target():
     # std 0.4 makes the 32-way next-token distributions peaked enough that greedy drafts are often accepted.
@@ -66,17 +78,23 @@ def exact_marginals(target):
     return [p1, p1 @ p2, np.einsum("a,ab,abc->c", p1, p2, p3)]
 
 
-def sample_tokens(target, seeds=SEEDS, adaptive=False):
-    engine = Engine(target, GreedyOracle(), block_size=K, max_new_tokens=3, temperature=TEMP, adaptive=adaptive)
+def sample_tokens(target, seeds=SEEDS, adaptive=False, tree_nodes=None):
+    proposer = TreeOracle() if tree_nodes else GreedyOracle()
+    engine = Engine(
+        target, proposer, block_size=K, max_new_tokens=3, temperature=TEMP, adaptive=adaptive, tree_nodes=tree_nodes
+    )
     if adaptive:
         # Fixed costs rather than timings: width 3 cheap enough to be chosen while drafts are accepted, so
         # both widths appear (decided by the measured acceptance rates, which move with the samples).
         engine.costs = {"widths": [1, 2, 3], "verify_ms": [1.0, 1.3, 1.6], "draft_ms": 0.0}
-    toks, accepted = [], []
+    toks, accepted, chains = [], [], []
     for seed in seeds:
         for g in engine.generate([PROMPT] * ROWS, seed=seed):
             toks.append(g.tokens)
             accepted += [a - 1 for a in g.accept_lengths]
+            chains.append((g.accept_lengths[0] - 1, g.proposals[0][0]))  # round 1: accepted drafts, draft 1
+    if tree_nodes:
+        return np.asarray(toks), np.asarray(accepted), np.asarray(chains)
     return np.asarray(toks), np.asarray(accepted)
 
 
@@ -120,5 +138,18 @@ def test_adaptive_width_sampling_follows_the_target(target):
     marginals = exact_marginals(target)
     toks, accepted = sample_tokens(target, seeds=SEEDS[:2], adaptive=True)
     assert np.mean(accepted >= 1) > 0.3  # drafts were verified and accepted, not only width-1 rounds
+    pvalues = [chi2_pvalue(toks[:, i], marginals[i]) for i in range(3)]
+    assert min(pvalues) > 1e-3, pvalues
+
+
+def test_tree_sampling_follows_the_target(target):
+    """T > 0 with DDTree rounds (6 nodes over 3 candidates per depth): each node's token is the target's own
+    sample given its path, and the walk commits exactly those, so the output is still the target's distribution;
+    some first drafts were accepted off the greedy chain (the tree, not the chain, was verified)."""
+    marginals = exact_marginals(target)
+    toks, accepted, chains = sample_tokens(target, seeds=SEEDS[:2], tree_nodes=6)
+    assert np.mean(accepted >= 1) > 0.3
+    off_chain = (chains[:, 0] >= 1) & (toks[:, 1] != chains[:, 1])  # x2 accepted, not the chain's token
+    assert off_chain.sum() > 20, off_chain.sum()
     pvalues = [chi2_pvalue(toks[:, i], marginals[i]) for i in range(3)]
     assert min(pvalues) > 1e-3, pvalues
