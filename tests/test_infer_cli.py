@@ -251,3 +251,32 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path):
     for args, message in cases:
         proc = subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, env=env)
         assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-1500:]
+
+
+def test_count_flips_finds_the_first_differing_token():
+    """bf16 answers against fp32 ones: identical, a flip at token 2, and one that stops early (a flip where it
+    ends); later tokens are not compared (after a flip the texts go their own ways)."""
+    ref = [[5, 6, 7, 8], [5, 6, 7, 8], [1, 2, 3]]
+    got = [[5, 6, 7, 8], [5, 6, 9, 9], [1, 2]]
+    flips = ev.count_flips(ref, got)
+    assert flips["identical"] == 1 and flips["first_flip"] == [None, 2, 2] and flips["median_first_flip"] == 2.0
+    assert "2/3" not in ev.format_flips(flips) and "1/3 answers identical" in ev.format_flips(flips)
+    with pytest.raises(ValueError):
+        ev.count_flips(ref, got[:2])  # one answer per prompt on both sides
+
+
+def test_bf16_eval_reports_flips_against_fp32_and_decodes_a_tree(tmp_path):
+    """--dtype bfloat16: every decoder (n-gram, a DDTree of an untrained drafter) is lossless against bf16 plain
+    decoding, and the plain answers' flips against fp32 plain decoding are counted in eval.json and the table."""
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("\n".join(json.dumps({"id": f"p{i}", "prompt_ids": PROMPT[i:] + PROMPT}) for i in range(2)))
+    out = tmp_path / "out"
+    args = ["--target", str(FIXTURES / "tiny_qwen3"), "--dataset", str(data), "--max-new-tokens", "12"]
+    args += ["--dtype", "bfloat16", "--draft", "ngram@4", "--draft", "tree4:random@4", "--out", str(out)]
+    rep = ev.main([*args, "--no-progress"])
+    assert rep["dtype"] == "bfloat16" and set(rep["reports"]) == {"ngram", "tree4-random"}
+    assert all(r["lossless_mismatches"] == 0 for r in rep["reports"].values())
+    assert rep["reports"]["tree4-random"]["mean_verify_width"] == 5.0  # 4 nodes + the root
+    flips = json.loads((out / "eval.json").read_text())["flips_vs_fp32"]
+    assert flips["prompts"] == 2 and len(flips["first_flip"]) == 2 and 0 <= flips["identical"] <= 2
+    assert f"{flips['identical']}/2 answers identical" in (out / "table.md").read_text()
