@@ -602,6 +602,7 @@ def _run_blocks(drafter: Drafter, x_BNKD, mask_pos_BNK, rope_pos_BNK, ctx_kv, kv
 DraftCache = KVCache
 
 
+@jax.named_scope("drafter_context")
 def extend_context(drafter: Drafter, cache: DraftCache, features_BTF, num_new_B) -> DraftCache:
     """Append target features at positions `cache.lengths[b] + 0..T-1`; only the first `num_new_B[b]` of each row
     are real (the rest is padding: written beyond the new length, never read). Returns lengths += num_new.
@@ -617,6 +618,7 @@ def extend_context(drafter: Drafter, cache: DraftCache, features_BTF, num_new_B)
     return DraftCache(k_all, v_all, cache.lengths + jnp.asarray(num_new_B, jnp.int32))
 
 
+@jax.named_scope("drafter_block")
 def _draft_hidden(drafter: Drafter, target_model: nnx.Module, cache: DraftCache, block_tokens_BK):
     _check_target(drafter, target_model)
     k = block_tokens_BK.shape[1]
@@ -682,6 +684,7 @@ def block_tokens(cfg: DrafterConfig, tokens_BT, anchors_BN, block_size: int):
     return jnp.concatenate([first[..., None], mask], axis=-1)
 
 
+@jax.named_scope("drafter_train_blocks")
 def train_hidden_from_embeds(
     drafter: Drafter, features_BTF, block_embeds_BNKD, anchors_BN, start_positions_B=None, compute_dtype=None
 ):

@@ -177,6 +177,7 @@ def write_rows(stack_LBCGH, layer: int, new_BTGH, pos_BT):
     return stack_LBCGH.at[layer, rows_BT, pos_BT].set(new_BTGH.astype(stack_LBCGH.dtype), mode="drop")
 
 
+@jax.named_scope("target_forward")
 def forward(
     model: nnx.Module,
     tokens_BT,
@@ -230,24 +231,25 @@ def forward(
     features = []
     wanted = set(layer_ids)
     for i, layer in enumerate(model.layers):
-        attn = layer.attn
-        h = rms_norm(x, layer.input_layernorm.w[...], eps)
-        q = jnp.einsum("BTD,DQH->BTQH", h, attn.q_proj.w[...].astype(h.dtype))
-        k = jnp.einsum("BTD,DGH->BTGH", h, attn.k_proj.w[...].astype(h.dtype))
-        v = jnp.einsum("BTD,DGH->BTGH", h, attn.v_proj.w[...].astype(h.dtype))
-        if cfg.qk_norm:
-            q = rms_norm(q, attn.q_norm.w[...], eps)
-            k = rms_norm(k, attn.k_norm.w[...], eps)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache is not None:
-            cache_k = write_rows(cache_k, i, k, positions_BT)
-            cache_v = write_rows(cache_v, i, v, positions_BT)
-            k, v = cache_k[i], cache_v[i]
-        o = attend(q, k.astype(q.dtype), v.astype(q.dtype), mask_BTS)
-        x = x + jnp.einsum("BTQH,QHD->BTD", o, attn.o_proj.w[...].astype(o.dtype))
-        h = rms_norm(x, layer.post_attention_layernorm.w[...], eps)
-        mlp = layer.mlp
-        x = x + swiglu(h, mlp.gate_proj.kernel[...], mlp.up_proj.kernel[...], mlp.down_proj.kernel[...])
+        with jax.named_scope(f"layer{i}"):
+            attn = layer.attn
+            h = rms_norm(x, layer.input_layernorm.w[...], eps)
+            q = jnp.einsum("BTD,DQH->BTQH", h, attn.q_proj.w[...].astype(h.dtype))
+            k = jnp.einsum("BTD,DGH->BTGH", h, attn.k_proj.w[...].astype(h.dtype))
+            v = jnp.einsum("BTD,DGH->BTGH", h, attn.v_proj.w[...].astype(h.dtype))
+            if cfg.qk_norm:
+                q = rms_norm(q, attn.q_norm.w[...], eps)
+                k = rms_norm(k, attn.k_norm.w[...], eps)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            if cache is not None:
+                cache_k = write_rows(cache_k, i, k, positions_BT)
+                cache_v = write_rows(cache_v, i, v, positions_BT)
+                k, v = cache_k[i], cache_v[i]
+            o = attend(q, k.astype(q.dtype), v.astype(q.dtype), mask_BTS)
+            x = x + jnp.einsum("BTQH,QHD->BTD", o, attn.o_proj.w[...].astype(o.dtype))
+            h = rms_norm(x, layer.post_attention_layernorm.w[...], eps)
+            mlp = layer.mlp
+            x = x + swiglu(h, mlp.gate_proj.kernel[...], mlp.up_proj.kernel[...], mlp.down_proj.kernel[...])
         if i in wanted:
             features.append((i, x))
 

@@ -117,6 +117,7 @@ class NGramProposer:
         tokens = jnp.where(found_B[:, None], drafts, last_tokens(history_BC, n_B)[:, None]).astype(jnp.int32)
         return Proposal.unscored(tokens, jnp.where(found_B, lookup_source(match_len_B), REPEAT), False)
 
+    @jax.named_scope("ngram_lookup")
     def lookup(self, history_BC, n_B, k):
         """([B, k-1] the continuation of each row's latest earlier n-gram match, [B] its match length: how many
         tokens, up to MATCH_BUCKETS[-1], agree backwards from the match and from the row's end; 0 = no match)."""

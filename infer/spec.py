@@ -76,6 +76,7 @@ def _is_stop(tokens, stop_Y):
     return jnp.any(tokens[..., None] == stop_Y, axis=-1)
 
 
+@jax.named_scope("choose_width")
 def choose_width(conf_BJ, live_B, widths: tuple[int, ...], cost_Z):
     """Index into `widths` of the verify width with the most expected committed tokens per unit of cost.
 
@@ -102,6 +103,7 @@ def measured_rates(tries, hits, prior_weight: float = 4.0):
     return (hits + prior_weight * pooled[:, None]) / (tries + prior_weight)
 
 
+@jax.named_scope("verify")
 def _verify(target, proposer, st: DecodeState, last_B, drafts_BJ, key, *, width, k, temperature):
     """Target forward over [last, d_1 .. d_{width-1}] from the cache at `start`; the target's tokens and the
     layer features padded to K (so every width returns one shape), the accepted count, the grown cache."""
@@ -123,6 +125,7 @@ def _verify(target, proposer, st: DecodeState, last_B, drafts_BJ, key, *, width,
     return jnp.pad(target_tok, ((0, 0), (0, pad))), a, feats, out.cache, nonfinite
 
 
+@jax.named_scope("tree_round")
 def _verify_tree(target, proposer, params, st: DecodeState, last_B, key, *, k, tree, temperature):
     """A DDTree round's verify: the drafter's top tokens per position, the best `nodes` prefixes as a tree, one
     target forward over all of them (tree attention), the walk. The target's tokens along the path, the accepted

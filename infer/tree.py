@@ -32,6 +32,7 @@ class DraftTree:
     valid: jax.Array  # [B, E] bool: False for nodes past the available prefixes (never matched)
 
 
+@jax.named_scope("tree_build")
 def build_tree(tokens_BJO, logp_BJO, nodes: int) -> DraftTree:
     """The `nodes` best-scoring prefixes of per-depth candidates (tokens_BJO[b, j, r]: rank-r token at depth j+1,
     best first; logp_BJO its log-probability), plus the root: a tree of E = nodes + 1."""
@@ -86,6 +87,7 @@ def _build_row(tok_JO, logp_JO, nodes: int) -> DraftTree:
     return jax.lax.fori_loop(1, e, pop, (frontier, tree))[1]
 
 
+@jax.named_scope("tree_walk")
 def walk_tree(target_tok_BE, tree: DraftTree, depths: int):
     """Follow the target down the tree: from the root, move to the child whose token is the target's token at the
     current node, while one exists. ([B, depths + 1] the path's nodes, root first, 0 past its end; [B] accepted

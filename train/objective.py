@@ -79,6 +79,7 @@ def restrict_vocab(labels, valid, vocab_ids_U, vocab_size: int):
     return jnp.maximum(sub, 0), valid & (sub >= 0)
 
 
+@jax.named_scope("cross_entropy")
 def chunked_cross_entropy(
     target_model, hidden_XD, labels_X, chunk: int, teacher_XD=None, soft_weight: float = 0.0, vocab_ids_U=None
 ):
@@ -160,6 +161,7 @@ def _fused_ce_bwd(soft_weight, res, cotangents):
 _fused_ce.defvjp(_fused_ce_fwd, _fused_ce_bwd)
 
 
+@jax.named_scope("dflash_loss")
 def dflash_loss(
     drafter,
     target_model,
