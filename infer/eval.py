@@ -23,8 +23,12 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm import tqdm
 
+from data import assets
+from dflash_model.cli import run_main
 from dflash_model.files import atomic_write_text
+from dflash_model.tokenizer import chat_prompt_ids, stop_token_ids
 from infer.loading import NGRAM_BLOCK, at_least, check_prompt_ids, load_draft_spec, load_target_spec
 from infer.plain import bucket_length
 from infer.spec import Engine
@@ -39,8 +43,6 @@ def dataset_messages(name: str, limit: int | None = None) -> list[dict]:
     `turns` (first turn) or `messages` (a chat list). MT-Bench uses the first turn only: a second turn would
     need the model's own first answer in its context.
     """
-    from data import assets
-
     if name == "humaneval":
         rows = [{"id": r["task_id"], "text": r["prompt"]} for r in assets.humaneval()]
     elif name == "gsm8k":
@@ -70,8 +72,6 @@ def dataset_messages(name: str, limit: int | None = None) -> list[dict]:
 
 
 def encode(rows: list[dict], tokenizer) -> list[list[int]]:
-    from dflash_model.tokenizer import chat_prompt_ids
-
     out = []
     for r in rows:
         if "prompt_ids" in r:
@@ -121,11 +121,6 @@ def _warm(engine: Engine, ids, lengths, key):
     jax.block_until_ready(engine.decode(state.replace(done=jnp.ones_like(state.done))))
 
 
-def run_eval(target_model, draft, prompts: list[list[int]], **options) -> dict:
-    """Plain and speculative greedy decoding of each prompt at batch 1 (options: `run_comparison`'s); the report."""
-    return run_comparison(target_model, [draft], prompts, **options)[draft.name]
-
-
 def _predicted_s(engine: Engine, gen) -> float:
     """Seconds the decode would take if a round cost exactly its parts timed alone (engine.costs): the verify at
     the round's width plus the drafter forward where it ran. Decode time / this = the loop's overhead."""
@@ -151,8 +146,6 @@ def run_comparison(
     report}. Every report compares against the same plain runs, so the drafts' speedups share one baseline.
     overhead: also time every fixed-width engine's forwards alone (`Engine.calibrate`, a few compiles more) for
     the loop-overhead ratio; adaptive engines are always calibrated (they choose from those costs)."""
-    from tqdm import tqdm
-
     names = [d.name for d in drafts]
     if len(set(names)) != len(names):
         raise ValueError(f"draft names must be distinct to compare them: {names}")
@@ -363,7 +356,7 @@ def format_table(rep: dict) -> str:
 
 
 def plot_acceptance(rep: dict, path: Path) -> None:
-    import matplotlib
+    import matplotlib  # plots only: an eval that draws none never loads matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -424,7 +417,7 @@ def format_comparison(reports: dict[str, dict]) -> str:
 
 def plot_comparison(reports: dict[str, dict], path: Path, title: str = "") -> None:
     """Unconditional per-position acceptance of several decoders on one axis (x up to the widest block)."""
-    import matplotlib
+    import matplotlib  # plots only (as in plot_acceptance)
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -516,45 +509,12 @@ def main(argv=None) -> dict:
     check_prompt_ids(prompts, target.config, names=[f"--dataset {args.dataset}: prompt {r['id']}" for r in rows])
     stop_ids = ()
     if target.tokenizer is not None:
-        from dflash_model.tokenizer import stop_token_ids
-
         stop_ids = stop_token_ids(target.tokenizer)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    if len(drafts) > 1:
-        reports = run_comparison(
-            target.model,
-            drafts,
-            prompts,
-            max_new_tokens=args.max_new_tokens,
-            stop_ids=stop_ids,
-            ids=[r["id"] for r in rows],
-            progress=not args.no_progress,
-            repeats=args.repeats,
-            overhead=True,
-        )
-        rep = {
-            "command": " ".join(["python -m infer.eval", *(sys.argv[1:] if argv is None else argv)]),
-            "target": str(target.path),
-            "dataset": args.dataset,
-            "device": str(jax.devices()[0]),
-            "dtype": target.config.dtype,
-            "reports": reports,
-        }
-        flips = _flips_line(args, target, prompts, reports, stop_ids)
-        if flips:
-            rep["flips_vs_fp32"] = flips
-        # No path of this machine in a result meant to be committed: the home directory reads as ~.
-        atomic_write_text(out / "eval.json", json.dumps(rep, indent=1).replace(str(Path.home()), "~"))
-        plot_comparison(reports, out / "acceptance.png", title=f"{args.dataset}: per-position acceptance")
-        table = format_comparison(reports) + (f"\n\n{format_flips(flips)}" if flips else "")
-        atomic_write_text(out / "table.md", table + "\n")
-        print(table)
-        print(f"wrote {out / 'eval.json'}, {out / 'table.md'} and {out / 'acceptance.png'}")
-        return rep
-    rep = run_eval(
+    reports = run_comparison(
         target.model,
-        drafts[0],
+        drafts,
         prompts,
         max_new_tokens=args.max_new_tokens,
         stop_ids=stop_ids,
@@ -563,18 +523,32 @@ def main(argv=None) -> dict:
         repeats=args.repeats,
         overhead=True,
     )
-    rep.update(target=str(target.path), dataset=args.dataset, device=str(jax.devices()[0]), dtype=target.config.dtype)
-    flips = _flips_line(args, target, prompts, {drafts[0].name: rep}, stop_ids)
+    about = {
+        "command": " ".join(["python -m infer.eval", *(sys.argv[1:] if argv is None else argv)]),
+        "target": str(target.path),
+        "dataset": args.dataset,
+        "device": str(jax.devices()[0]),
+        "dtype": target.config.dtype,
+    }
+    flips = _flips_line(args, target, prompts, reports, stop_ids)
+    # One draft: its report is the file (with the run's facts); several: one table over all of them.
+    rep = {**about, "reports": reports} if len(drafts) > 1 else {**reports[drafts[0].name], **about}
     if flips:
         rep["flips_vs_fp32"] = flips
-    atomic_write_text(out / "eval.json", json.dumps(rep, indent=1))
-    plot_acceptance(rep, out / "acceptance.png")
-    print(format_table(rep) + (f"\n\n{format_flips(flips)}" if flips else ""))
-    print(f"wrote {out / 'eval.json'} and {out / 'acceptance.png'}")
+    # No path of this machine in a result meant to be committed: the home directory reads as ~.
+    atomic_write_text(out / "eval.json", json.dumps(rep, indent=1).replace(str(Path.home()), "~"))
+    if len(drafts) > 1:
+        plot_comparison(reports, out / "acceptance.png", title=f"{args.dataset}: per-position acceptance")
+        table = format_comparison(reports)
+    else:
+        plot_acceptance(rep, out / "acceptance.png")
+        table = format_table(rep)
+    table += f"\n\n{format_flips(flips)}" if flips else ""
+    atomic_write_text(out / "table.md", table + "\n")
+    print(table)
+    print(f"wrote {out / 'eval.json'}, {out / 'table.md'} and {out / 'acceptance.png'}")
     return rep
 
 
 if __name__ == "__main__":
-    from dflash_model.cli import run_main
-
     run_main(main)

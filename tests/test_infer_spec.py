@@ -409,8 +409,7 @@ def test_tree_decoding_equals_plain_greedy(family):
     prompts = _prompts(seed=3)
     ref = _plain(family, prompts)
     cfg, drafter = _tiny_drafter(family)
-    params = _oracle_params(drafter, prompts, ref, k)
-    engine = Engine(
+    oracle_tree = lambda params: Engine(
         target,
         OracleTree(DFlashProposer(cfg)),
         params,
@@ -419,6 +418,7 @@ def test_tree_decoding_equals_plain_greedy(family):
         tree_nodes=nodes,
         tree_top=3,
     )
+    engine = oracle_tree(_oracle_params(drafter, prompts, ref, k))
     assert engine.widths == (nodes + 1,)
     before = dict(TRACES)
     state = engine.decode(engine.prefill(*engine.inputs(prompts)))
@@ -440,17 +440,7 @@ def test_tree_decoding_equals_plain_greedy(family):
     assert traced["decode"] == 1 and traced[f"tree@{nodes}"] == 1, traced
     # Batch 1 with the oracle's own rows, and the untrained drafter's tree at batch 2.
     for i, p in enumerate(prompts):
-        alone = _oracle_params(drafter, [p], [ref[i]], k)
-        one = Engine(
-            target,
-            OracleTree(DFlashProposer(cfg)),
-            alone,
-            block_size=k,
-            max_new_tokens=MAX_NEW,
-            tree_nodes=nodes,
-            tree_top=3,
-        )
-        assert one.generate([p])[0].tokens == ref[i]
+        assert oracle_tree(_oracle_params(drafter, [p], [ref[i]], k)).generate([p])[0].tokens == ref[i]
     plain_tree = Engine(target, DFlashProposer(cfg), drafter, block_size=k, max_new_tokens=MAX_NEW, tree_nodes=6)
     assert [g.tokens for g in plain_tree.generate(prompts)] == ref
 
