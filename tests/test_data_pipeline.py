@@ -6,6 +6,7 @@ import pickle
 
 import numpy as np
 import pytest
+from conftest import FIXTURES
 
 from data import conversations as conv
 from data import pipeline
@@ -194,19 +195,18 @@ def test_sharegpt_masks_on_real_data(smol_tok):
     assert turns == 43
 
 
-def test_qwen3_template_past_turns_use_offset_fallback():
-    """Qwen3 renders an empty think block only in the last assistant turn, so earlier turns fail the prefix
-    property and are found by character offsets; the last turn's mask starts after the think block."""
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.find_spec("maxtext")
-    path = spec and Path(spec.submodule_search_locations[0]) / "assets/tokenizers/qwen3-tokenizer"
-    if not path or not (path / "tokenizer.json").is_file():
-        pytest.skip("maxtext's Qwen3 tokenizer is not installed")
+def test_think_template_past_turns_use_offset_fallback(monkeypatch):
+    """A template that, like Qwen3's, renders an empty think block only in the last assistant turn (and the
+    generation prompt): earlier turns fail the prefix property and are found by character offsets; the last
+    turn's mask starts after the think block. tests/fixtures/think_tokenizer (tools/make_think_tokenizer.py)."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(path))
+    from data import conversations
+
+    tok = AutoTokenizer.from_pretrained(str(FIXTURES / "think_tokenizer"))
+    found = []
+    by_offsets = conversations._span_by_offsets
+    monkeypatch.setattr(conversations, "_span_by_offsets", lambda *a: found.append(by_offsets(*a)[0]) or by_offsets(*a))
     msgs = [
         {"role": "user", "content": "hi"},
         {"role": "assistant", "content": "Hello there."},
@@ -218,6 +218,7 @@ def test_qwen3_template_past_turns_use_offset_fallback():
     runs = mask_runs(ids, ex["loss_mask"])
     assert [tok.decode(ids[a:b]) for a, b in runs] == ["Hello there.<|im_end|>", "Goodbye.<|im_end|>"]
     assert tok.decode(ids[: runs[1][0]]).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert found == [runs[0]]  # the first turn, and only it, was found by character offsets
 
 
 # ------------------------------------------------------------------------------------------- anchors
