@@ -29,11 +29,10 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from train.tiny_runs import accuracy_windows
 
+REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "docs" / "results" / "probes"
-WINDOW = 20
 
 
 def _data_file():
@@ -86,27 +85,6 @@ def summarize(name: str, steps: int, overrides: list[str], wall_s: float | None 
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / f"{name}.json").write_text(json.dumps(out, indent=1))
     return out
-
-
-def accuracy_windows(recs: list[dict]) -> list[dict]:
-    """Loss, top-1 of block positions 1-3 (weighted by valid labels) and step time over WINDOW-step windows of
-    metrics.jsonl records."""
-    windows = []
-    for lo in range(0, len(recs), WINDOW):
-        win = recs[lo : lo + WINDOW]
-        n = sum(r["valid_labels"] for r in win)
-        windows.append(
-            {
-                "steps": [win[0]["step"], win[-1]["step"]],
-                "loss": statistics.mean(r["loss"] for r in win),
-                # loss_positions=1 trains (and reports) position 1 only
-                "acc_1_2_3": [
-                    sum(r["acc"][i] * r["valid_labels"] for r in win) / n for i in range(min(3, len(win[0]["acc"])))
-                ],
-                "step_s": statistics.median(r["step_s"] for r in win),
-            }
-        )
-    return windows
 
 
 def baselines() -> dict:

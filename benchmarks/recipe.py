@@ -33,7 +33,6 @@ from pathlib import Path
 from dflash_model.files import atomic_write_text
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
 SCALES = {
     # limit: conversations read (the default run reads 216); steps x batch x anchors: the training budget.

@@ -12,6 +12,9 @@ from pathlib import Path
 
 import numpy as np
 
+from data.assets import sharegpt
+from dflash_model.tokenizer import stop_token_ids
+
 log = logging.getLogger(__name__)
 
 ROLES = {
@@ -89,8 +92,6 @@ def load_conversations(
     if skip < 0:
         raise ValueError(f"skip={skip}: must be >= 0")
     if isinstance(source, str) and source == "sharegpt":
-        from data.assets import sharegpt
-
         raw = enumerate(sharegpt(None if limit is None else skip + limit), 1)
         name = "sharegpt"
     elif isinstance(source, str | Path):
@@ -128,8 +129,6 @@ def _render(tok, messages: Sequence[dict], generation_prompt: bool, thinking: bo
 @functools.lru_cache(maxsize=8)
 def _end_markers(tok) -> frozenset[int]:
     # Cached: stop_token_ids builds the whole vocab dict, which costs more than tokenizing a conversation.
-    from dflash_model.tokenizer import stop_token_ids
-
     return frozenset(stop_token_ids(tok))
 
 

@@ -35,8 +35,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import grain
+import jax
 import numpy as np
 
+from data import assets
 from data.conversations import load_conversations, tokenize_conversation
 from dflash_model.files import atomic_write_text, sha256_file
 
@@ -153,8 +155,6 @@ def cache_key(source_digest: str, tok, max_len: int, thinking: bool, limit: int 
 
 def _source_file(source) -> Path | None:
     if isinstance(source, str) and source == "sharegpt":
-        from data import assets
-
         return assets.path("sharegpt")
     if isinstance(source, str | Path):
         path = Path(source).expanduser()
@@ -282,8 +282,6 @@ def build_dataset(
     The iterator's get_state()/set_state() resume exactly (see the module docstring for the order).
     """
     if shard_index is None or shard_count is None:
-        import jax
-
         shard_index = jax.process_index() if shard_index is None else shard_index
         shard_count = jax.process_count() if shard_count is None else shard_count
     if not 0 <= shard_index < shard_count:

@@ -15,6 +15,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from safetensors.flax import save_file
 
 from dflash_model.config import ConfigError, TargetConfig, jnp_dtype, read_config_json
 from dflash_model.drafter import Drafter, DrafterConfig, abstract_drafter, check_pairing
@@ -119,8 +120,6 @@ def load_drafter(
 
 def export_drafter(drafter: Drafter, cfg: DrafterConfig, out_dir: str | Path, dtype: str = "bfloat16") -> Path:
     """Write config.json + model.safetensors in z-lab's format, tensors cast to `dtype`."""
-    from safetensors.flax import save_file
-
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype={dtype!r}: export writes 'float32' or 'bfloat16'")
     if cfg.replace(dtype=drafter.config.dtype) != drafter.config:

@@ -7,6 +7,7 @@ import math
 import jax
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -98,8 +99,6 @@ def process0_decides(flag: bool) -> bool:
     every process must take the same branch, or the ones that skip leave the others waiting."""
     if jax.process_count() == 1:
         return bool(flag)
-    from jax.experimental import multihost_utils
-
     return bool(multihost_utils.broadcast_one_to_all(np.asarray(flag)))
 
 
@@ -108,14 +107,10 @@ def max_over_processes(value: int) -> int:
     received: all must stop at the same step, or the ones still stepping wait in a collective forever)."""
     if jax.process_count() == 1:
         return int(value)
-    from jax.experimental import multihost_utils
-
     return int(np.max(multihost_utils.process_allgather(np.asarray(value, np.int32))))
 
 
 def barrier(name: str) -> None:
     """Every process waits here until all have arrived (e.g. until process 0 has written a file)."""
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
         multihost_utils.sync_global_devices(name)

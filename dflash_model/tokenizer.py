@@ -6,6 +6,8 @@ import json
 import os
 from pathlib import Path
 
+from dflash_model.weights import GGUFSource
+
 # GGUF metadata key (after "tokenizer.") -> the name transformers' GGUF tokenizer converter expects.
 _GGUF_TOKENIZER_KEYS = {
     "ggml.model": "tokenizer_type",
@@ -34,6 +36,7 @@ def _gguf_tokenizer(path: Path):
     `AutoTokenizer.from_pretrained(gguf_file=...)` would do the same but refuses to run without torch, which
     must never be a runtime dependency here; the conversion itself does not need torch.
     """
+    # transformers takes seconds to import: only the paths that build a tokenizer pay for it.
     from transformers import PreTrainedTokenizerFast
     from transformers.integrations.ggml import convert_gguf_tokenizer
 
@@ -43,8 +46,6 @@ def _gguf_tokenizer(path: Path):
         tok = PreTrainedTokenizerFast(tokenizer_file=str(cached / "tokenizer.json"), **meta["kwargs"])
         tok.chat_template = meta["chat_template"]
         return tok
-
-    from dflash_model.weights import GGUFSource
 
     meta = GGUFSource(path).metadata
     fields = {new: meta[f"tokenizer.{old}"] for old, new in _GGUF_TOKENIZER_KEYS.items() if f"tokenizer.{old}" in meta}
@@ -81,7 +82,7 @@ def load_tokenizer(path: str | Path):
     path = Path(path)
     if path.suffix == ".gguf":
         return _gguf_tokenizer(path)
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # slow to import: see _gguf_tokenizer
 
     if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
         raise FileNotFoundError(f"{path}: no tokenizer.json / tokenizer_config.json")

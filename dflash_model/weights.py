@@ -13,10 +13,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import gguf
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from safetensors import safe_open
+from safetensors.flax import save_file
 
 from dflash_model.config import ConfigError, RopeScaling, TargetConfig, jnp_dtype, load_hf_config
 from dflash_model.sharding import param_shardings
@@ -37,8 +40,6 @@ class SafetensorsSource:
     """An HF directory: model.safetensors, or shards listed by model.safetensors.index.json."""
 
     def __init__(self, model_dir: str | Path):
-        from safetensors import safe_open
-
         self.dir = Path(model_dir)
         index = self.dir / "model.safetensors.index.json"
         if index.is_file():
@@ -121,8 +122,6 @@ def undo_gguf_rope_permute(w_OI: np.ndarray, n_heads: int) -> np.ndarray:
 @functools.lru_cache(maxsize=4)
 def _gguf_reader(path: Path, size: int, mtime: float):
     """One parse per file and process: GGUFReader takes ~8 s on SmolLM2's 49k-token vocabulary."""
-    import gguf
-
     try:
         return gguf.GGUFReader(str(path))
     except Exception as e:  # gguf raises ValueError/struct errors on bad magic or truncation
@@ -193,8 +192,6 @@ class GGUFSource:
         return tuple(int(d) for d in reversed(self._tensors[name].shape)), "F32"
 
     def get(self, name: str) -> np.ndarray:
-        import gguf
-
         t = self._tensors[name]
         w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
         w = w.reshape(self.shape_dtype(name)[0])
@@ -395,8 +392,6 @@ def to_hf_config(cfg: TargetConfig) -> dict:
 
 def save_hf_target(model: nnx.Module, out_dir: str | Path, dtype: str | None = None) -> Path:
     """Write `model` as an HF directory (config.json + model.safetensors), the inverse of load_hf_target."""
-    from safetensors.flax import save_file
-
     cfg = config_of(model)
     cfg = cfg if dtype is None else cfg.replace(dtype=dtype)
     out = Path(out_dir)

@@ -14,6 +14,8 @@ import argparse
 import json
 import sys
 
+from dflash_model.cli import run_main
+from dflash_model.tokenizer import chat_prompt_ids, stop_token_ids
 from infer.loading import at_least, check_prompt_ids, load_draft_spec, load_target_spec, non_negative
 from infer.spec import Engine
 
@@ -57,8 +59,6 @@ def prompt_ids(args, tokenizer) -> list[int]:
     if tokenizer is None:
         raise SystemExit("this target has no tokenizer: pass --prompt-ids")
     if args.chat:
-        from dflash_model.tokenizer import chat_prompt_ids
-
         return chat_prompt_ids(tokenizer, args.prompt)
     return tokenizer(args.prompt, add_special_tokens=False)["input_ids"]
 
@@ -70,8 +70,6 @@ def run(args) -> dict:
     check_prompt_ids([ids], target.config, names=["--prompt-ids" if args.prompt_ids is not None else "--prompt"])
     stop_ids = ()
     if target.tokenizer is not None:
-        from dflash_model.tokenizer import stop_token_ids
-
         stop_ids = stop_token_ids(target.tokenizer)
     engine = Engine(
         target.model,
@@ -114,6 +112,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from dflash_model.cli import run_main
-
     run_main(main)

@@ -5,9 +5,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
+from data.assets import smollm2_gguf
+from dflash_model import drafter_weights
+from dflash_model.config import PRESETS
+from dflash_model.drafter import DRAFTER_PRESETS, build_drafter, drafter_config_for
+from dflash_model.tokenizer import load_tokenizer
+from dflash_model.weights import load_target
 from infer import proposers
 
 NGRAM_BLOCK = 8  # default K for prompt lookup: cheap drafts, and verify costs about the same up to here
@@ -47,12 +54,7 @@ class Target:
 
 def load_target_spec(spec: str, dtype: str | None = None) -> Target:
     """'smollm2' (the package-shipped SmolLM2-135M GGUF), an HF model directory or a .gguf file."""
-    from dflash_model.tokenizer import load_tokenizer
-    from dflash_model.weights import load_target
-
     if spec == "smollm2":
-        from data.assets import smollm2_gguf
-
         path = smollm2_gguf()
     else:
         path = Path(spec)
@@ -122,8 +124,6 @@ def load_draft_spec(
             spec.split(":", 1)[1], target_cfg, block, seed, dtype=dtype, zero_features=zero_features
         )
         return dataclasses.replace(inner, name="hybrid", proposer=proposers.HybridProposer(inner.proposer))
-    from dflash_model import drafter_weights
-
     if spec == "random":
         cfg, drafter = random_drafter(target_cfg, seed=seed)
     else:
@@ -155,11 +155,6 @@ _SHAPE_FIELDS = (
 def random_drafter(target_cfg, seed: int = 0):
     """An untrained drafter for `target_cfg`: the drafter preset made for that target when one exists (so the
     mask id is the one a trained drafter would use), else the paper's recipe sized to the target."""
-    import sys
-
-    from dflash_model.config import PRESETS
-    from dflash_model.drafter import DRAFTER_PRESETS, build_drafter, drafter_config_for
-
     same = lambda t: all(getattr(t, f) == getattr(target_cfg, f) for f in _SHAPE_FIELDS)
     cfg = next((c for c, tname in DRAFTER_PRESETS.values() if same(PRESETS[tname])), None)
     if cfg is None:

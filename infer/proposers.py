@@ -28,6 +28,8 @@ import flax
 import jax
 import jax.numpy as jnp
 
+from dflash_model.drafter import DraftCache, extend_context, propose_scored, propose_top
+
 # Where a row's drafts came from: an adaptive engine keeps a measured acceptance rate per source and position.
 # Lookups are split by how far back the context agrees with the match (its match length, in buckets): inside a
 # repetition loop the match is long and nearly every copied token is accepted, after a short chance match few
@@ -169,13 +171,9 @@ class DFlashProposer:
         return tuple(int(i) for i in self.config.target_layer_ids)
 
     def init(self, params, batch, capacity):
-        from dflash_model.drafter import DraftCache
-
         return DraftCache.init(self.config, batch, capacity)
 
     def observe(self, params, state, feats_BTF, num_new_B):
-        from dflash_model.drafter import extend_context
-
         feats = jnp.zeros_like(feats_BTF) if self.zero_features else feats_BTF
         return extend_context(params, state, feats, num_new_B)
 
@@ -183,8 +181,6 @@ class DFlashProposer:
         return self.propose_scored(params, target, state, history_BC, n_B, k).tokens
 
     def propose_scored(self, params, target, state, history_BC, n_B, k):
-        from dflash_model.drafter import propose_scored
-
         if k > self.config.block_size:
             raise ValueError(f"block size {k} is larger than the drafter's trained K={self.config.block_size}")
         tokens, prob = propose_scored(params, target, state, last_tokens(history_BC, n_B), k)
@@ -193,8 +189,6 @@ class DFlashProposer:
 
     def propose_top(self, params, target, state, history_BC, n_B, k, top):
         """([B, K-1, top] the drafter's `top` likeliest tokens per position, [B, K-1, top] their log-probs)."""
-        from dflash_model.drafter import propose_top
-
         if k > self.config.block_size:
             raise ValueError(f"block size {k} is larger than the drafter's trained K={self.config.block_size}")
         return propose_top(params, target, state, last_tokens(history_BC, n_B), k, top)

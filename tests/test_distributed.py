@@ -294,3 +294,33 @@ def test_conversation_global_batch_is_independent_of_process_count():
     assert len(hosts[0]) == len(hosts[1]) == len(one) == 63 // 4
     for s in range(len(one)):
         assert _rows(one[s]) == sorted(_rows(hosts[0][s]) + _rows(hosts[1][s])), f"step {s}"
+
+
+def test_init_distributed_picks_the_cluster_from_the_environment(monkeypatch):
+    """An explicit coordinator address wins (the CPU tests' path); on a Cloud TPU VM (platform check mocked) the
+    no-argument initialise, which reads the slice from the TPU environment; elsewhere nothing (one process)."""
+    from train import run
+
+    calls = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda *a, **k: calls.append((a, k)))
+    for var in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(run, "on_cloud_tpu_vm", lambda: False)
+    assert run.init_distributed() is False and calls == []
+    monkeypatch.setattr(run, "on_cloud_tpu_vm", lambda: True)
+    assert run.init_distributed() is True and calls == [((), {})]
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "10.0.0.1:1234")
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "4")
+    monkeypatch.setenv("JAX_PROCESS_ID", "2")
+    assert run.init_distributed() is True
+    assert calls[-1] == (("10.0.0.1:1234",), {"num_processes": 4, "process_id": 2})
+
+
+def test_cloud_tpu_vm_is_read_from_the_tpu_environment(monkeypatch):
+    from train import run
+
+    monkeypatch.delenv("TPU_WORKER_HOSTNAMES", raising=False)
+    monkeypatch.delenv("TPU_ACCELERATOR_TYPE", raising=False)
+    assert run.on_cloud_tpu_vm() is False  # this CPU machine
+    monkeypatch.setenv("TPU_ACCELERATOR_TYPE", "v5p-128")
+    assert run.on_cloud_tpu_vm() is True

@@ -1,35 +1,25 @@
 """Training raises tau: on the tiny random target, a drafter trained for a few hundred steps on the target's own
 greedy text has a simulated tau (the training metric) and a real tau (the speculative engine through
 infer/eval.py's loader and decode loop, on held-out prompts) well above the untrained drafter's, and speculative
-output stays equal to plain greedy output. benchmarks/tiny_tau.py is the same run, longer, with a table.
+output stays equal to plain greedy output. benchmarks/tiny_tau.py is the same run (train.tiny_runs), longer,
+with a table.
 """
 
-import importlib.util
-import sys
-
 import pytest
-from conftest import REPO
 
-
-def _tiny_tau():
-    spec = importlib.util.spec_from_file_location("tiny_tau", REPO / "benchmarks" / "tiny_tau.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("tiny_tau", mod)  # dataclasses resolve the module by name
-    spec.loader.exec_module(mod)
-    return mod
+from train import tiny_runs as tt
 
 
 @pytest.mark.slow
 def test_training_raises_simulated_and_real_tau(tmp_path):
-    tt = _tiny_tau()
     # 250 steps at a constant 6e-3 (a cosine spends half of a short run at a low rate), 1024 training sequences
     # (<2 epochs), 8 held-out prompts, K=8, no n-gram reference (one compile fewer). 45-70 s on 2 busy CPU cores.
     s = tt.Settings(
         steps=250, block_size=8, train_prompts=1024, eval_prompts=8, lr=6e-3, schedule="constant", ngram=False
     )
-    rep = tt.run(s, tmp_path / "run")
+    rep = tt.run_tiny_tau(s, tmp_path / "run")
     sim, real = rep["sim_tau"], rep["real_tau"]
-    print(tt.format_table(rep))
+    print(tt.format_tiny_tau(rep))
     assert rep["steps"] == 250
 
     # Measured (seed 0 / seeds 1, 2, 3 of the same settings; the seed draws the target, the drafter and the data):

@@ -78,6 +78,7 @@ def test_loss_falls_and_target_frozen(run30):
     assert summary["step"] == 30 and summary["tokens_per_s"] > 0
     assert (run_dir / "export" / "config.json").is_file() and (run_dir / "export" / "model.safetensors").is_file()
     assert len(recs[0]["acc"]) == 7  # K-1 per-position accuracies
+    assert not (run_dir / "profile").exists()  # log.profile_steps is 0 by default
 
 
 def test_resume_is_exact(run30, tmp_path):
@@ -392,10 +393,14 @@ def _tb_scalars(tb_dir):
     return out
 
 
-def test_tensorboard_logs_appear(tmp_path):
-    """log.tensorboard=true writes scalars a TensorBoard reads: the same losses as metrics.jsonl."""
-    tr = Trainer(load_config("tiny", [f"run_dir={tmp_path}", "log.tensorboard=true"]), restore=False)
+def test_tensorboard_logs_and_a_profile_appear(tmp_path):
+    """log.tensorboard=true writes scalars a TensorBoard reads: the same losses as metrics.jsonl; log.profile_steps
+    writes a jax.profiler trace of step 2 (a run without it writes none: test_loss_falls_and_target_frozen)."""
+    overrides = [f"run_dir={tmp_path}", "log.tensorboard=true", "log.profile_steps=1", "log.profile_start=2"]
+    tr = Trainer(load_config("tiny", overrides), restore=False)
     tr.train(max_steps=3)
+    traces = list((tmp_path / "profile").rglob("*.xplane.pb"))
+    assert len(traces) == 1 and traces[0].stat().st_size > 1000, traces
     scalars = _tb_scalars(tmp_path / "tb")
     losses = [(r["step"], r["loss"]) for r in _records(tmp_path)]
     assert [s for s, _ in scalars["train/loss"]] == [1, 2, 3]

@@ -154,6 +154,8 @@ _AT_LEAST = {
     "train.grad_clip": 0.0,
     "checkpoint.every_steps": 1,
     "log.every": 1,
+    "log.profile_steps": 0,
+    "log.profile_start": 1,
     "data.num_records": 1,
     "data.skip": 0,
     "drafter.num_layers": 1,

@@ -8,6 +8,7 @@ stream: each epoch redraws them (the paper's recipe) and a restored iterator red
 from __future__ import annotations
 
 import grain
+import jax
 import numpy as np
 
 from data import pipeline
@@ -45,13 +46,14 @@ def _with_anchors(num_anchors: int, block_size: int):
     return fn
 
 
-def build_train_dataset(cfg, *, vocab_size: int, mask_token_id: int, tokenizer=None):
+def build_train_dataset(cfg, *, vocab_size: int, mask_token_id: int, tokenizer=None, records=None):
     """(grain IterDataset of this process's batches, batches per epoch, the unshuffled records: len() and [i],
-    for the offline feature cache)."""
-    import jax
-
+    for the offline feature cache). records: `data.pipeline.TokenizedRecords` to train on instead of the data
+    the config names (token ids already made, e.g. a target's own greedy text)."""
     t = cfg.train
     per_host_batch = int(t.batch_size) // jax.process_count()
+    if records is not None:
+        return _record_batches(cfg, records, None, per_host_batch)
     if cfg.data.source != "synthetic":
         return _conversation_batches(cfg, tokenizer, per_host_batch)
     base = grain.MapDataset.range(int(cfg.data.num_records)).map(
@@ -76,14 +78,16 @@ def build_train_dataset(cfg, *, vocab_size: int, mask_token_id: int, tokenizer=N
 def _conversation_batches(cfg, tokenizer, per_host_batch: int):
     """Chat-templated conversations with assistant-only loss masks from data.pipeline (its own shuffle, host
     sharding, per-epoch anchors and exact-resume iterator)."""
-    import jax
-
     if tokenizer is None:
         raise ValueError("a conversation data source needs a tokenizer (data.tokenizer or a GGUF/HF target)")
     limit = None if cfg.data.limit is None else int(cfg.data.limit)
     records = pipeline.load_tokenized(
         cfg.data.source, tokenizer, int(cfg.train.max_len), limit=limit, skip=int(cfg.data.skip)
     )
+    return _record_batches(cfg, records, tokenizer, per_host_batch)
+
+
+def _record_batches(cfg, records, tokenizer, per_host_batch: int):
     per_epoch = (len(records) // jax.process_count()) // per_host_batch
     ds = pipeline.build_dataset(
         records,

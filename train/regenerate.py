@@ -27,9 +27,16 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from tqdm import tqdm
+
+from data.assets import smollm2_gguf
 from data.conversations import load_conversations
+from data.pipeline import tokenizer_fingerprint
+from dflash_model.cli import run_main
 from dflash_model.files import atomic_write_json
-from dflash_model.tokenizer import chat_prompt_ids, stop_token_ids
+from dflash_model.target import config_of
+from dflash_model.tokenizer import chat_prompt_ids, load_tokenizer, stop_token_ids
+from dflash_model.weights import load_target
 from infer.plain import PROMPT_BUCKETS, bucket_length, greedy_generate
 
 
@@ -141,11 +148,6 @@ def regenerate(
     against <out>.settings.json). `target_name` names the target there; None = a digest of its architecture.
     Returns counts: written, already_done, skipped (per reason), new_tokens, seconds (generation only).
     """
-    from tqdm import tqdm
-
-    from data.pipeline import tokenizer_fingerprint
-    from dflash_model.target import config_of
-
     if target_name is None:
         target_name = "arch-" + hashlib.sha256(repr(config_of(model)).encode()).hexdigest()[:16]
     check_settings(
@@ -207,12 +209,7 @@ def regenerate(
 
 def load(target: str):
     """(model, tokenizer) of 'smollm2' (the package-shipped SmolLM2-135M GGUF), an HF directory or a .gguf."""
-    from dflash_model.tokenizer import load_tokenizer
-    from dflash_model.weights import load_target
-
     if target == "smollm2":
-        from data.assets import smollm2_gguf
-
         target = smollm2_gguf()
     _, model = load_target(target)
     return model, load_tokenizer(target)
@@ -251,6 +248,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    from dflash_model.cli import run_main
-
     run_main(main)

@@ -26,20 +26,36 @@ def _target_name(cfg) -> str:
     return path.split(":", 1)[1] if str(path).startswith("asset:") else Path(path).stem
 
 
+def on_cloud_tpu_vm() -> bool:
+    """Whether this host is a Cloud TPU VM, read from what the TPU runtime sets up (environment, device files)
+    without initialising a JAX backend, which jax.distributed must precede."""
+    return (
+        any(os.environ.get(k) for k in ("TPU_ACCELERATOR_TYPE", "TPU_WORKER_HOSTNAMES")) or Path("/dev/accel0").exists()
+    )
+
+
 def init_distributed() -> bool:
-    """Join a jax.distributed cluster (JAX multi-controller: one process per host) when JAX_COORDINATOR_ADDRESS
-    (host:port of process 0) is set, with JAX_NUM_PROCESSES and JAX_PROCESS_ID; unset, they are auto-detected
-    where JAX can (Slurm, Open MPI, Cloud TPU). Must run before anything touches a device. Without
-    JAX_COORDINATOR_ADDRESS nothing happens: a single-process run. CPU processes talk over gloo (JAX's default)."""
+    """Join a jax.distributed cluster (JAX multi-controller: one process per host). Must run before anything
+    touches a device.
+
+    - JAX_COORDINATOR_ADDRESS (host:port of process 0) set: that cluster, with JAX_NUM_PROCESSES and
+      JAX_PROCESS_ID where given (else auto-detected where JAX can: Slurm, Open MPI). CPU processes talk over
+      gloo (JAX's default). This is how the CPU tests run several processes.
+    - on a Cloud TPU VM: `jax.distributed.initialize()` with no arguments (JAX reads the slice's hosts from the
+      TPU environment); a single-host slice simply runs one process.
+    - otherwise nothing happens: a single-process run.
+    """
+    import jax  # here, not at the top: `--help` answers without loading JAX
 
     addr = os.environ.get("JAX_COORDINATOR_ADDRESS")
-    if not addr:
-        return False
-    import jax
-
-    n, pid = os.environ.get("JAX_NUM_PROCESSES"), os.environ.get("JAX_PROCESS_ID")
-    jax.distributed.initialize(addr, num_processes=int(n) if n else None, process_id=int(pid) if pid else None)
-    return True
+    if addr:
+        n, pid = os.environ.get("JAX_NUM_PROCESSES"), os.environ.get("JAX_PROCESS_ID")
+        jax.distributed.initialize(addr, num_processes=int(n) if n else None, process_id=int(pid) if pid else None)
+        return True
+    if on_cloud_tpu_vm():
+        jax.distributed.initialize()
+        return True
+    return False
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -57,6 +73,7 @@ def main(argv: list[str] | None = None) -> dict:
     logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every checkpoint step at INFO
     log = logging.getLogger("dflash.train")
 
+    # Imported past --help and the config check only: those answer at once, without loading JAX or the trainer.
     import jax
 
     from train import workflow

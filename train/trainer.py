@@ -1,40 +1,41 @@
-"""The DFlash trainer: a pure jitted step over explicit state, a frozen target passed as a jit argument, and Orbax
-checkpoints (drafter params + optimizer state + step + grain iterator state) that resume bit for bit.
-
-State flow per step: state = {params (drafter nnx.State), opt (optax), step} is donated to `step_fn` and returned
-updated; the target's state is a separate, never-donated argument wrapped in stop_gradient, so it is neither a
-compile-time constant (jit would bake billions of weights into the executable) nor differentiated.
+"""The DFlash trainer: builds the drafter, data, optimizer state and `Program` from a Config, runs the loop
+(`train`: one `train.step.train_step` per batch, metrics, signals, export), and resumes bit for bit from Orbax
+checkpoints (`train.checkpointing`: drafter params + optimizer state + step + grain iterator state).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import logging
 import math
 import signal
 import threading
 import time
-import warnings
 from pathlib import Path
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import orbax.checkpoint as ocp
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
+from data import assets
 from dflash_model import sharding as shd
+from dflash_model.config import preset
 from dflash_model.drafter import build_drafter, check_pairing, drafter_config_for, drafter_preset, scale_output_norm
-from dflash_model.files import RunLock, atomic_write_text
-from dflash_model.target import config_of, final_norm, forward
-from train.config import Config
+from dflash_model.drafter_weights import export_drafter, load_drafter
+from dflash_model.files import RunLock
+from dflash_model.target import build_target, config_of, forward, randomize
+from dflash_model.tokenizer import load_tokenizer
+from dflash_model.weights import load_target
+from train.checkpointing import Checkpoints, trim_metrics
 from train.data import build_train_dataset
-from train.objective import default_gamma, dflash_loss, target_labels
+from train.features import open_or_build
+from train.objective import default_gamma
+from train.step import BATCH_KEYS, OPT_KEYS, Program, make_optimizer, step_loss, train_step
 
 log = logging.getLogger("dflash.train")
 
@@ -49,17 +50,10 @@ class TrainingDiverged(RuntimeError):
 
 def load_target_model(cfg, mesh=None):
     """(target module, tokenizer path or None) for cfg.target: real weights from a path, or a random preset."""
-    from dflash_model.config import preset
-    from dflash_model.target import build_target, randomize
-
     t = cfg.target
     if t.path is not None:
-        from dflash_model.weights import load_target
-
         path = t.path
         if isinstance(path, str) and path.startswith("asset:"):
-            from data import assets
-
             path = assets.path(path.split(":", 1)[1])
         _, model = load_target(path, dtype=t.dtype, mesh=mesh)  # sharded as it loads: no single-device copy
         return model, Path(path)
@@ -108,8 +102,6 @@ def init_weights(drafter, dcfg, init_dir, target_cfg) -> None:
     The directory's architecture must equal `dcfg` but for block_size (the weights do not depend on K) and dtype;
     a difference is an error naming drafter.init and the fields.
     """
-    from dflash_model.drafter_weights import load_drafter
-
     icfg, loaded = load_drafter(init_dir, target_cfg, dtype="float32")
     icfg = icfg.replace(block_size=dcfg.block_size)
     if icfg != dcfg:
@@ -137,31 +129,6 @@ def check_token_ids(records, vocab_size: int, cfg) -> None:
             f"{cfg.data.tokenizer or cfg.target.path} is outside the target's vocabulary "
             f"0..{vocab_size - 1}; the tokenizer does not belong to this target"
         )
-
-
-def make_optimizer(t, total_steps: int):
-    """(AdamW + warmup-cosine + global-norm clipping, the schedule) from cfg.train's keys. Norm scales and other
-    1-D params do not decay."""
-    t = Config(t)
-    warmup = int(round(float(t.warmup_ratio) * total_steps))
-    if t.schedule == "cosine":
-        sched = optax.warmup_cosine_decay_schedule(
-            0.0,
-            float(t.lr),
-            max(warmup, 1) if warmup else 0,
-            max(total_steps, warmup + 1),
-            float(t.lr) * float(t.final_lr_ratio),
-        )
-    else:
-        sched = optax.join_schedules(
-            [optax.linear_schedule(0.0, float(t.lr), max(warmup, 1)), optax.constant_schedule(float(t.lr))], [warmup]
-        )
-    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
-    tx = optax.chain(
-        optax.clip_by_global_norm(float(t.grad_clip)),
-        optax.adamw(sched, b1=float(t.b1), b2=float(t.b2), weight_decay=float(t.weight_decay), mask=decay_mask),
-    )
-    return tx, sched
 
 
 def draft_vocabulary(records, vocab_size: int, size: int) -> np.ndarray:
@@ -198,136 +165,42 @@ def _pause(seconds: float) -> None:
     time.sleep(seconds)  # a module function so a test can stand in for it (e.g. send SIGTERM mid-run)
 
 
-def _tree_where(ok, new, old):
-    return jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
-
-
-BATCH_KEYS = ("input_ids", "loss_mask", "lengths", "anchors", "features", "labels")
-
-# Optimizer keys of cfg.train that the compiled step depends on.
-OPT_KEYS = ("lr", "warmup_ratio", "schedule", "final_lr_ratio", "weight_decay", "b1", "b2", "grad_clip")
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class Program:
-    """Everything static about a training step, hashable: Trainers built from the same config share one
-    compiled step (a restart inside a process, tests) instead of compiling their own closure."""
-
-    d_graph: Any
-    t_graph: Any
-    block_size: int
-    gamma: float
-    ce_chunk: int
-    loss_positions: int | None
-    distill_weight: float
-    layer_ids: tuple
-    zero_features: bool  # ablation (features.zero): how much of the drafter's skill comes from the target
-    target_labels: bool  # data.labels=target: labels are the target's greedy next tokens, not the text's
-    compute_dtype: str  # train.compute_dtype: the drafter's activations and matmuls (parameters stay fp32)
-    opt: tuple
-    total_steps: int
-    mesh_key: tuple  # the sharding constraint below is only valid on the mesh it was made for
-    state_shardings: Any = dataclasses.field(compare=False, hash=False)
-
-    def _key(self):
-        # Tunix's graph holds its unhashable ModelConfig; the graphs' reprs identify the structure instead.
-        if "_k" not in self.__dict__:
-            graphs = (repr(self.d_graph), repr(self.t_graph))
-            rest = tuple(
-                getattr(self, f.name)
-                for f in dataclasses.fields(self)
-                if f.name not in ("d_graph", "t_graph", "state_shardings")
-            )
-            object.__setattr__(self, "_k", (graphs, rest))
-        return self.__dict__["_k"]
-
-    def __hash__(self):
-        return hash(self._key())
-
-    def __eq__(self, other):
-        return isinstance(other, Program) and self._key() == other._key()
-
-    def optimizer(self):
-        return make_optimizer(dict(self.opt), self.total_steps)
-
-
-def _loss(prog: Program, params, t_state, batch, step, nan_at, vocab_ids=None):
-    target = nnx.merge(prog.t_graph, jax.lax.stop_gradient(t_state))
-    drafter = nnx.merge(prog.d_graph, params)
-    teacher, labels = None, batch.get("labels")
-    if "features" in batch:
-        features = batch["features"]
-    else:
-        # With distillation the forward also keeps the last layer: final-normed, it is the hidden state the
-        # target's own next-token distribution comes from (the teacher), at no cost beyond this forward.
-        last = (config_of(target).num_hidden_layers - 1,) if prog.distill_weight else ()
-        out = forward(target, batch["input_ids"], layer_ids=(*prog.layer_ids, *last), compute_logits=prog.target_labels)
-        features = out.features
-        if prog.target_labels:
-            labels = target_labels(batch["input_ids"], out.logits)
-        if last:
-            d = features.shape[-1] // (len(prog.layer_ids) + 1)
-            features, teacher = features[..., :-d], final_norm(target, features[..., -d:])
-    if prog.zero_features:
-        features = jnp.zeros_like(features)
-    loss, metrics = dflash_loss(
-        drafter,
-        target,
-        jax.lax.stop_gradient(features),
-        batch["input_ids"],
-        batch["loss_mask"],
-        batch["anchors"],
-        block_size=prog.block_size,
-        gamma=prog.gamma,
-        ce_chunk=prog.ce_chunk,
-        loss_positions=prog.loss_positions,
-        teacher_BTD=teacher,
-        soft_weight=prog.distill_weight,
-        labels_BT=jax.lax.stop_gradient(labels) if labels is not None else None,
-        vocab_ids_U=vocab_ids,
-        compute_dtype=jnp.dtype(prog.compute_dtype),
-    )
-    # debug.nan_at_step as a runtime value (-1 = off), so the knob does not change the compiled program.
-    loss = jnp.where(step + 1 == nan_at, jnp.nan, loss)
-    return loss, {**metrics, "loss": loss}
-
-
-@functools.partial(jax.jit, static_argnames=("prog",), donate_argnums=(0,))
-def train_step(state, t_state, batch, nan_at, vocab_ids=None, *, prog: Program):
-    tx, schedule = prog.optimizer()
-    grad_fn = jax.value_and_grad(_loss, argnums=1, has_aux=True)
-    (loss, metrics), grads = grad_fn(prog, state["params"], t_state, batch, state["step"], nan_at, vocab_ids)
-    updates, opt = tx.update(grads, state["opt"], state["params"])
-    params = optax.apply_updates(state["params"], updates)
-    # A non-finite step changes nothing: the host stops the run and both the in-memory state and the
-    # checkpoints stay the last good ones.
-    ok = jnp.isfinite(loss)
-    new = {
-        "params": _tree_where(ok, params, state["params"]),
-        "opt": _tree_where(ok, opt, state["opt"]),
-        "step": state["step"] + ok.astype(jnp.int32),
-    }
-    # Outputs pinned to the input layout: the next call sees identical avals and does not recompile.
-    new = jax.lax.with_sharding_constraint(new, prog.state_shardings)
-    # Counted here, on the global batch: a process's host batch is only its share under jax.distributed.
-    metrics = {
-        **metrics,
-        "grad_norm": optax.global_norm(grads),
-        "lr": schedule(state["step"]),
-        "tokens": jnp.sum(batch["lengths"]),
-        "anchors": jnp.sum(batch["anchors"] >= 0),
-    }
-    return new, metrics
-
-
 # ----------------------------------------------------------------------------------------------------------
 # The trainer.
 
 
-class Trainer:
-    """Build everything from a Config, restore the newest readable checkpoint, then `train()`."""
+class Profile:
+    """A jax.profiler trace of steps start .. start+steps-1 (steps 0: off), written under `directory` on process 0.
+    The step's metrics are fetched before `after`, so the trace holds the whole step's device work."""
 
-    def __init__(self, cfg, *, devices=None, target=None, restore: bool = True):
+    def __init__(self, directory: Path, start: int, steps: int):
+        self.directory, self.start, self.steps = directory, start, steps
+        self.on = False
+
+    def before(self, step: int) -> None:
+        if self.steps and step == self.start and jax.process_index() == 0:
+            jax.profiler.start_trace(str(self.directory))
+            self.on = True
+            log.info("profiling steps %d-%d into %s", step, step + self.steps - 1, self.directory)
+
+    def after(self, step: int) -> None:
+        if self.on and step >= self.start + self.steps - 1:
+            self.stop()
+
+    def stop(self) -> None:
+        if self.on:
+            jax.profiler.stop_trace()
+            self.on = False
+
+
+class Trainer:
+    """Build everything from a Config, restore the newest readable checkpoint, then `train()`.
+
+    target: a target module to train against instead of the one cfg.target names; records: TokenizedRecords to
+    train on instead of cfg.data's source (the batches, anchors and resumable iterator are the conversation path's).
+    """
+
+    def __init__(self, cfg, *, devices=None, target=None, records=None, restore: bool = True):
         self.cfg = cfg
         self.run_dir = Path(cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -372,27 +245,24 @@ class Trainer:
         self.t_graph, self.t_state = nnx.split(self.target)
 
         tokenizer = None
-        if cfg.data.source == "regenerate":
+        if records is None and cfg.data.source == "regenerate":
             raise ValueError(
                 "data.source=regenerate is resolved by train/run.py (train.workflow.prepare_regenerated "
                 "writes the JSONL); give the Trainer that JSONL's path as data.source"
             )
-        if cfg.data.source != "synthetic":
-            from dflash_model.tokenizer import load_tokenizer
-
+        if records is None and cfg.data.source != "synthetic":
             tokenizer = load_tokenizer(cfg.data.tokenizer or self.tokenizer_path)
         self.dataset, self.batches_per_epoch, records = build_train_dataset(
             cfg,
             vocab_size=self.target_cfg.vocab_size,
             mask_token_id=self.drafter_cfg.mask_token_id,
             tokenizer=tokenizer,
+            records=records,
         )
         check_token_ids(records, self.target_cfg.vocab_size, cfg)
         self.target_labels = cfg.data.labels == "target"
         self.features = self.labels = None
         if cfg.features.mode == "offline":
-            from train.features import open_or_build
-
             self.features, self.labels = open_or_build(
                 self, records, chunk=int(cfg.train.batch_size) // jax.process_count()
             )
@@ -416,16 +286,17 @@ class Trainer:
 
         ck = cfg.checkpoint
         self.ckpt_dir = Path(ck.dir) if ck.dir is not None else self.run_dir / "checkpoints"
-        self.ckpt = ocp.CheckpointManager(
-            self.ckpt_dir.resolve(),
-            item_names=("state", "data", "meta"),
-            options=ocp.CheckpointManagerOptions(
-                max_to_keep=ck.max_to_keep, enable_async_checkpointing=bool(ck["async"]), create=True
-            ),
+        self.checkpoints = Checkpoints(
+            self.ckpt_dir,
+            meta=self._meta(),
+            max_to_keep=ck.max_to_keep,
+            asynchronous=bool(ck["async"]),
+            lr_at=lambda total, step: float(make_optimizer(cfg.train, total)[1](step)),
         )
+        self.ckpt = self.checkpoints.manager
         self.restored_step = self.restore() if restore else None
         self.metrics_path = self.run_dir / "metrics.jsonl"
-        self._trim_metrics(self.step)
+        trim_metrics(self.metrics_path, self.step)
 
     # -- state ---------------------------------------------------------------------------------------------
 
@@ -449,59 +320,14 @@ class Trainer:
         return nnx.merge(self.d_graph, jax.tree.map(jnp.copy, self.state["params"]))
 
     def restore(self) -> int | None:
-        """Load the newest checkpoint that reads back whole; warn and fall back past damaged ones.
-
-        A checkpoint written under another drafter architecture or objective is refused by name before anything is
-        read (it is not damaged: the config changed, and falling back past it would start over on top of the run).
-        A damaged checkpoint is moved to <checkpoints>/damaged/ so that its step can be saved again.
-        """
-        self._check_newest_meta()
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, self.state)
-        damaged = []
-        try:
-            for step in sorted(self.ckpt.all_steps(), reverse=True):
-                try:
-                    got = self.ckpt.restore(
-                        step,
-                        args=ocp.args.Composite(
-                            state=ocp.args.StandardRestore(abstract),
-                            data=ocp.args.JsonRestore(),
-                            meta=ocp.args.JsonRestore(),
-                        ),
-                    )
-                    if int(got.state["step"]) != step:
-                        raise ValueError(f"holds step {int(got.state['step'])}")
-                except Exception as e:  # noqa: BLE001 - any unreadable checkpoint means: try the previous one
-                    msg = (
-                        f"checkpoint step {step} in {self.ckpt_dir} is unreadable ({type(e).__name__}: {e}); "
-                        "falling back to the previous checkpoint"
-                    )
-                    warnings.warn(msg, stacklevel=2)
-                    log.warning(msg)
-                    damaged.append(step)
-                    continue
-                self._check_meta(got.meta, step)
-                self.state = self._place(got.state)
-                self.iterator.set_state(got.data)
-                log.info("resumed from step %d (%s)", step, self.ckpt_dir)
-                return step
+        """Resume from the newest checkpoint that reads back whole (`Checkpoints.restore`); its step, or None."""
+        got = self.checkpoints.restore(jax.tree.map(ocp.utils.to_shape_dtype_struct, self.state))
+        if got is None:
             return None
-        finally:
-            self._set_aside(damaged)
-
-    def _set_aside(self, steps) -> None:
-        """Move damaged checkpoints out of the manager's directory (kept for a post-mortem, never deleted)."""
-        if not steps or jax.process_index() != 0:
-            return
-        aside = self.ckpt_dir / "damaged"
-        aside.mkdir(exist_ok=True)
-        for step in steps:
-            src = self.ckpt_dir / str(step)
-            if src.exists():
-                dst = aside / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"
-                src.rename(dst)
-                log.warning("moved the unreadable checkpoint step %d to %s", step, dst)
-        self.ckpt.reload()
+        step, state, data = got
+        self.state = self._place(state)
+        self.iterator.set_state(data)
+        return step
 
     def _meta(self) -> dict:
         """What a checkpoint must agree on to be resumed: the objective and the drafter architecture."""
@@ -513,95 +339,8 @@ class Trainer:
             "drafter": {k: v for k, v in arch.items() if k not in ("block_size", "torch_dtype", "dtype")},
         }
 
-    def _check_newest_meta(self) -> None:
-        for step in sorted(self.ckpt.all_steps(), reverse=True):
-            try:
-                meta = self.ckpt.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
-            except Exception:  # noqa: BLE001 - a damaged checkpoint is the restore loop's business
-                continue
-            self._check_meta(meta, step)
-            return
-
-    def _check_meta(self, meta: dict, step: int) -> None:
-        """A checkpoint resumes only the objective and drafter it was trained with: the drafter shapes would load
-        at another K (the block size is not a parameter shape), so a changed block_size or gamma is refused by
-        name, and so is a changed drafter (its parameter shapes would not load). A changed train.steps resumes,
-        saying what it does to the learning-rate schedule."""
-        mine = self._meta()
-        diff = {
-            k: (meta.get(k), mine[k])
-            for k in ("block_size", "gamma")
-            if k in meta and not math.isclose(float(meta[k]), mine[k])
-        }
-        old_arch = meta.get("drafter")
-        if old_arch is not None:
-            old_arch = json.loads(json.dumps(old_arch))
-            new_arch = json.loads(json.dumps(mine["drafter"]))
-            diff.update(
-                {
-                    f"drafter {k}": (old_arch.get(k), new_arch.get(k))
-                    for k in sorted(set(old_arch) | set(new_arch))
-                    if old_arch.get(k) != new_arch.get(k)
-                }
-            )
-        if diff:
-            said = "; ".join(f"{k}={old} in the checkpoint but {new} now" for k, (old, new) in diff.items())
-            raise ValueError(
-                f"checkpoint step {step} in {self.ckpt_dir}: {said}. Use a new run_dir (or "
-                f"checkpoint.dir) for a different objective or drafter, or set them back to resume"
-            )
-        old_total = meta.get("total_steps")
-        if old_total is not None and int(old_total) != self.total_steps:
-            old_lr = float(make_optimizer(self.cfg.train, int(old_total))[1](step))
-            new_lr = float(self.schedule(step))
-            log.warning(
-                "train.steps is %d now, %d when step %d was saved: the learning-rate schedule is "
-                "recomputed over %d steps, so the rate at step %d moves from %.3g to %.3g",
-                self.total_steps,
-                int(old_total),
-                step,
-                self.total_steps,
-                step,
-                old_lr,
-                new_lr,
-            )
-
     def save(self, force: bool = False) -> None:
-        step = self.step
-        if step in self.ckpt.all_steps():
-            return
-        meta = {"step": step, **self._meta(), "time": time.time()}
-        self.ckpt.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(self.state),
-                data=ocp.args.JsonSave(self.iterator.get_state()),
-                meta=ocp.args.JsonSave(meta),
-            ),
-            force=force,
-        )
-
-    def _trim_metrics(self, step: int) -> None:
-        """Drop log lines of steps past the restored state (a killed run logged them; they will be redone) and a
-        torn last line (a kill mid-write). The file is replaced whole (temporary file + rename), never cut in place."""
-        if not self.metrics_path.exists() or jax.process_index() != 0:
-            return
-        lines = self.metrics_path.read_text().splitlines()
-        keep = []
-        for i, ln in enumerate(lines):
-            try:
-                rec = json.loads(ln)
-            except json.JSONDecodeError:
-                if i == len(lines) - 1:
-                    log.warning("%s: dropped a torn last line (%d characters)", self.metrics_path, len(ln))
-                    continue
-                raise ValueError(
-                    f"{self.metrics_path}:{i + 1}: not a JSON record (only a torn last line is expected after a crash)"
-                ) from None
-            if rec["step"] <= step:
-                keep.append(ln)
-        if len(keep) != len(lines):
-            atomic_write_text(self.metrics_path, "".join(ln + "\n" for ln in keep))
+        self.checkpoints.save(self.step, self.state, self.iterator.get_state(), force=force)
 
     # -- the step ------------------------------------------------------------------------------------------
 
@@ -626,7 +365,7 @@ class Trainer:
         )
 
     def loss_fn(self, params, t_state, batch, nan_at=-1):
-        return _loss(self.program(), params, t_state, batch, jnp.zeros((), jnp.int32), nan_at, self.vocab_ids)
+        return step_loss(self.program(), params, t_state, batch, jnp.zeros((), jnp.int32), nan_at, self.vocab_ids)
 
     def put_batch(self, batch: dict) -> dict:
         """Host numpy batch (this process's rows) -> global arrays sharded over (data, fsdp)."""
@@ -652,7 +391,9 @@ class Trainer:
         """(loss, grads) at the current params on a host batch: for sharding-equivalence checks."""
         prog = self.program()
         fn = jax.jit(
-            jax.value_and_grad(lambda p, t, b: _loss(prog, p, t, b, jnp.zeros((), jnp.int32), -1, self.vocab_ids)[0])
+            jax.value_and_grad(
+                lambda p, t, b: step_loss(prog, p, t, b, jnp.zeros((), jnp.int32), -1, self.vocab_ids)[0]
+            )
         )
         return fn(self.state["params"], self.t_state, self.put_batch(batch))
 
@@ -680,9 +421,11 @@ class Trainer:
         every = int(cfg.checkpoint.every_steps)
         timed, t_tokens, t_anchors, t_time, first_time = 0, 0, 0, 0.0, None
         stopped = None
+        profile = Profile(self.run_dir / "profile", int(cfg.log.profile_start), int(cfg.log.profile_steps))
         try:
             while self.step < end:
                 batch = self.next_batch()
+                profile.before(self.step + 1)
                 t0 = time.perf_counter()
                 self.state, metrics = train_step(self.state, self.t_state, batch, nan_at, self.vocab_ids, prog=prog)
                 metrics = jax.device_get(metrics)  # one host sync per step: the NaN stop and the log need it
@@ -698,6 +441,7 @@ class Trainer:
                         if last is not None
                         else f"loss is {loss} at step {step + 1}; stopped; no checkpoint had been written yet"
                     )
+                profile.after(step)
                 tokens, anchors = int(metrics["tokens"]), int(metrics["anchors"])
                 if first_time is None:
                     first_time = dt  # includes compilation
@@ -730,6 +474,7 @@ class Trainer:
                     self.save(force=True)
                     break
         finally:
+            profile.stop()
             self.ckpt.wait_until_finished()
             if lock is not None:
                 lock.release()
@@ -754,11 +499,7 @@ class Trainer:
     def export(self) -> Path | None:
         """The z-lab format drafter at <run_dir>/export/. With several processes every one must call this (the
         parameters are gathered across them); process 0 writes and gets the path, the others None."""
-        from dflash_model.drafter_weights import export_drafter
-
         if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
             params = multihost_utils.process_allgather(self.state["params"], tiled=True)  # host numpy, whole
             if jax.process_index() != 0:
                 return None
@@ -770,9 +511,8 @@ class Trainer:
     def _tensorboard(self):
         if not bool(self.cfg.log.tensorboard) or jax.process_index() != 0:
             return None
-        from tensorboardX import (
-            SummaryWriter,
-        )  # a dependency; imported here so a run with log.tensorboard=false skips it
+        # A dependency, imported here so that a run with log.tensorboard=false never loads it.
+        from tensorboardX import SummaryWriter
 
         return SummaryWriter(str(self.run_dir / "tb"))
 

@@ -14,8 +14,18 @@ import logging
 import time
 from pathlib import Path
 
+import jax
+from flax import nnx
+from jax.experimental import multihost_utils
+
 from data.assets import cache_root
+from data.conversations import load_conversations
+from dflash_model import sharding as shd
 from dflash_model.files import atomic_write_text
+from dflash_model.tokenizer import load_tokenizer, stop_token_ids
+from infer.eval import dataset_messages, encode, format_comparison, format_table, plot_comparison, run_comparison
+from infer.loading import dflash_draft, load_draft_spec
+from train.regenerate import first_turn_prompt, regenerate
 
 log = logging.getLogger("dflash.train")
 
@@ -47,9 +57,6 @@ def split_heldout(conversations: list[dict], heldout: int) -> tuple[list[dict], 
 
 def prepare_regenerated(cfg, model, tok, target_name: str) -> tuple[Path, list[dict]]:
     """Regenerate (resuming) the training replies; returns (training JSONL, held-out prompt rows for eval)."""
-    from data.conversations import load_conversations
-    from train.regenerate import first_turn_prompt, regenerate
-
     r = cfg.data.regenerate
     convs, _ = load_conversations(r.prompts, limit=int(r.limit), require_assistant=False)
     train_convs, held = split_heldout(convs, int(r.heldout))
@@ -130,8 +137,6 @@ def announce_start(cfg, *, regen_todo: int = 0) -> None:
 
 
 def eval_rows(cfg, heldout: list[dict] | None) -> list[dict]:
-    from infer.eval import dataset_messages
-
     e = cfg.eval
     if e.prompts == "heldout":
         if heldout is None:
@@ -149,8 +154,6 @@ def end_of_run_eval(cfg, trainer, summary: dict, tokenizer, heldout: list[dict] 
     Every process must call this. Under several processes, process 0 decodes alone with a copy of the target
     gathered onto its own devices (the decode loop reads values on the host every round, which an array that
     spans other processes' devices does not allow), and the others wait for it at a barrier."""
-    import jax
-
     finished = trainer.step >= trainer.total_steps and summary["stopped_by"] is None
     if not bool(cfg.eval.enabled) or not finished:
         return None
@@ -162,8 +165,6 @@ def end_of_run_eval(cfg, trainer, summary: dict, tokenizer, heldout: list[dict] 
             "false: no eval (export it, then run python -m infer.eval)"
         )
         return None
-    from dflash_model import sharding as shd
-
     prior = Path(cfg.run_dir, "eval", "eval.json")
     # Process 0's file system decides, so every process takes the same path through the collectives.
     if shd.process0_decides(_same_eval(prior, cfg, trainer.step)):
@@ -179,8 +180,6 @@ def end_of_run_eval(cfg, trainer, summary: dict, tokenizer, heldout: list[dict] 
     reports = None
     if jax.process_index() == 0:
         if tokenizer is None and (cfg.data.tokenizer or trainer.tokenizer_path):
-            from dflash_model.tokenizer import load_tokenizer
-
             tokenizer = load_tokenizer(cfg.data.tokenizer or trainer.tokenizer_path)
         reports = final_eval(cfg, trainer, tokenizer, eval_rows(cfg, heldout), export, target=target)["reports"]
     shd.barrier("dflash end-of-run eval")
@@ -210,12 +209,6 @@ def _same_eval(prior: Path, cfg, step: int) -> bool:
 def _process0_target(trainer):
     """The trainer's target gathered whole (a collective: every process calls it) and, on process 0, placed on
     that process's own devices, FSDP-sharded over them; None elsewhere."""
-    import jax
-    from flax import nnx
-    from jax.experimental import multihost_utils
-
-    from dflash_model import sharding as shd
-
     whole = multihost_utils.process_allgather(trainer.t_state, tiled=True)  # tiled: the global value itself
     if jax.process_index() != 0:
         return None
@@ -226,10 +219,6 @@ def _process0_target(trainer):
 def final_eval(cfg, trainer, tokenizer, rows: list[dict], export_dir: Path | None, target=None) -> dict:
     """Decode `rows` plainly, with the trained drafter and with n-gram; write <run_dir>/eval/ and print a table.
     `target` defaults to the trainer's."""
-    from dflash_model.tokenizer import stop_token_ids
-    from infer.eval import encode, format_comparison, format_table, plot_comparison, run_comparison
-    from infer.loading import dflash_draft, load_draft_spec
-
     e = cfg.eval
     target = trainer.target if target is None else target
     target_cfg = trainer.target_cfg
