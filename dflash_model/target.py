@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from tunix.models.llama3 import model as llama3
+from tunix.models.qwen3 import model as qwen3
 
 from dflash_model.config import TargetConfig, jnp_dtype
 from dflash_model.layers import apply_rope, attend, rms_norm, rope_angles, rope_inv_freq, swiglu
@@ -32,40 +34,22 @@ def build_target(cfg: TargetConfig, *, seed: int = 0) -> nnx.Module:
     """The Tunix module for `cfg` with Tunix's initialisation (use `nnx.eval_shape` for an abstract one)."""
     rngs = nnx.Rngs(seed)
     dtype = jnp_dtype(cfg.dtype)
+    shape = dict(
+        num_layers=cfg.num_hidden_layers,
+        vocab_size=cfg.vocab_size,
+        embed_dim=cfg.hidden_size,
+        hidden_dim=cfg.intermediate_size,
+        num_heads=cfg.num_attention_heads,
+        head_dim=cfg.head_dim,
+        num_kv_heads=cfg.num_key_value_heads,
+        rope_theta=cfg.rope_theta,
+        norm_eps=cfg.rms_norm_eps,
+    )
     if cfg.family == "qwen3":
-        from tunix.models.qwen3 import model as qwen3
-
-        tcfg = qwen3.ModelConfig(
-            num_layers=cfg.num_hidden_layers,
-            vocab_size=cfg.vocab_size,
-            embed_dim=cfg.hidden_size,
-            hidden_dim=cfg.intermediate_size,
-            num_heads=cfg.num_attention_heads,
-            head_dim=cfg.head_dim,
-            num_kv_heads=cfg.num_key_value_heads,
-            rope_theta=cfg.rope_theta,
-            norm_eps=cfg.rms_norm_eps,
-            use_tied_embedding=cfg.tie_word_embeddings,
-            dtype=dtype,
-            param_dtype=dtype,
-        )
+        tcfg = qwen3.ModelConfig(**shape, use_tied_embedding=cfg.tie_word_embeddings, dtype=dtype, param_dtype=dtype)
         model = qwen3.Qwen3(tcfg, rngs=rngs)
     else:
-        from tunix.models.llama3 import model as llama3
-
-        tcfg = llama3.ModelConfig(
-            num_layers=cfg.num_hidden_layers,
-            vocab_size=cfg.vocab_size,
-            embed_dim=cfg.hidden_size,
-            hidden_dim=cfg.intermediate_size,
-            num_heads=cfg.num_attention_heads,
-            head_dim=cfg.head_dim,
-            num_kv_heads=cfg.num_key_value_heads,
-            rope_theta=cfg.rope_theta,
-            norm_eps=cfg.rms_norm_eps,
-            weight_tying=cfg.tie_word_embeddings,
-        )
-        model = llama3.Llama3(tcfg, rngs=rngs)
+        model = llama3.Llama3(llama3.ModelConfig(**shape, weight_tying=cfg.tie_word_embeddings), rngs=rngs)
         if dtype != jnp.float32:  # Tunix's Llama3 always initialises fp32 parameters
             _cast_params(model, dtype)
     model.target_config = cfg  # plain attribute: static graph data, not a parameter
