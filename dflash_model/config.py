@@ -36,6 +36,17 @@ class RopeScaling:
     original_max_position_embeddings: int
 
 
+def check_heads_and_dtype(cfg) -> None:
+    """The checks a target's and a drafter's config share: query heads in whole groups per kv head, a known dtype."""
+    if cfg.num_attention_heads % cfg.num_key_value_heads:
+        raise ConfigError(
+            f"num_attention_heads={cfg.num_attention_heads} is not a multiple of "
+            f"num_key_value_heads={cfg.num_key_value_heads}"
+        )
+    if cfg.dtype not in DTYPES:
+        raise ConfigError(f"dtype={cfg.dtype!r}: expected one of {tuple(DTYPES)}")
+
+
 @dataclasses.dataclass(frozen=True)
 class TargetConfig:
     """Architecture of a decoder-only target LLM (HF naming, so config.json maps one to one)."""
@@ -58,13 +69,7 @@ class TargetConfig:
     def __post_init__(self):
         if self.family not in FAMILIES:
             raise ConfigError(f"family={self.family!r}: expected one of {FAMILIES}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ConfigError(
-                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
-                f"num_key_value_heads={self.num_key_value_heads}"
-            )
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"dtype={self.dtype!r}: expected one of {tuple(DTYPES)}")
+        check_heads_and_dtype(self)
 
     @property
     def qk_norm(self) -> bool:

@@ -24,7 +24,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dflash_model.config import DTYPES, PRESETS, ConfigError, RopeScaling, TargetConfig, jnp_dtype
+from dflash_model.config import (
+    PRESETS,
+    ConfigError,
+    RopeScaling,
+    TargetConfig,
+    check_heads_and_dtype,
+    jnp_dtype,
+)
 from dflash_model.layers import MASK_VALUE, apply_rope, rms_norm, rope_angles, rope_inv_freq, swiglu
 from dflash_model.target import KVCache, config_of, embed, lm_head, write_rows
 
@@ -83,13 +90,7 @@ class DrafterConfig:
             object.__setattr__(self, "layer_types", None if set(types) == {"full_attention"} else types)
         if self.layer_types is None:
             object.__setattr__(self, "sliding_window", None)  # no layer reads it
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ConfigError(
-                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
-                f"num_key_value_heads={self.num_key_value_heads}"
-            )
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"dtype={self.dtype!r}: expected one of {tuple(DTYPES)}")
+        check_heads_and_dtype(self)
         if self.block_size < 2:
             raise ConfigError(f"block_size={self.block_size}: a block needs the last token plus at least one mask")
         if not 0 <= self.mask_token_id < self.vocab_size:
