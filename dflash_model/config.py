@@ -103,30 +103,8 @@ def from_hf_config(cfg: dict[str, Any], source: str = "config.json", dtype: str 
 
     heads = int(need("num_attention_heads"))
     hidden = int(need("hidden_size"))
-    scaling = cfg.get("rope_scaling") or None
-    if scaling is None and isinstance(cfg.get("rope_parameters"), dict):
-        # transformers >= 5 writes rope settings under rope_parameters.
-        params = cfg["rope_parameters"]
-        scaling = params if params.get("rope_type", "default") != "default" else None
-    rope_scaling = None
-    if scaling is not None:
-        kind = scaling.get("rope_type", scaling.get("type"))
-        if kind != "llama3":
-            raise ConfigError(f"{source}: rope_scaling type {kind!r} is not supported (only 'llama3')")
-        rope_scaling = RopeScaling(
-            factor=float(scaling["factor"]),
-            low_freq_factor=float(scaling["low_freq_factor"]),
-            high_freq_factor=float(scaling["high_freq_factor"]),
-            original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
-        )
-    rope_theta = cfg.get("rope_theta")
-    if rope_theta is None and isinstance(cfg.get("rope_parameters"), dict):
-        rope_theta = cfg["rope_parameters"].get("rope_theta")
-    if rope_theta is None:
-        raise ConfigError(f"{source}: missing required key 'rope_theta'")
-    if dtype is None:
-        declared = cfg.get("torch_dtype", cfg.get("dtype", "float32"))
-        dtype = "bfloat16" if declared == "bfloat16" else "float32"
+    rope_theta, rope_scaling = rope_theta_of(cfg, source), rope_scaling_of(cfg, source)
+    dtype = dtype or declared_dtype(cfg)
     return TargetConfig(
         family=_HF_MODEL_TYPES[model_type],
         vocab_size=int(need("vocab_size")),
@@ -136,13 +114,49 @@ def from_hf_config(cfg: dict[str, Any], source: str = "config.json", dtype: str 
         num_attention_heads=heads,
         num_key_value_heads=int(cfg.get("num_key_value_heads", heads)),
         head_dim=int(cfg.get("head_dim") or hidden // heads),
-        rope_theta=float(rope_theta),
+        rope_theta=rope_theta,
         rms_norm_eps=float(need("rms_norm_eps")),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
         rope_scaling=rope_scaling,
         dtype=dtype,
     )
+
+
+def rope_theta_of(raw: dict, source: str) -> float:
+    """rope_theta of an HF / z-lab config.json (top level, or under rope_parameters as transformers >= 5 writes)."""
+    theta = raw.get("rope_theta")
+    if theta is None and isinstance(raw.get("rope_parameters"), dict):
+        theta = raw["rope_parameters"].get("rope_theta")
+    if theta is None:
+        raise ConfigError(f"{source}: missing required key 'rope_theta' (or rope_parameters.rope_theta)")
+    return float(theta)
+
+
+def rope_scaling_of(raw: dict, source: str) -> RopeScaling | None:
+    """Llama-3 RoPE scaling of a config.json (rope_scaling, or rope_parameters); None for plain RoPE; any other
+    scaling type is an error naming it."""
+    scaling = raw.get("rope_scaling") or None
+    if scaling is None and isinstance(raw.get("rope_parameters"), dict):
+        scaling = raw["rope_parameters"]
+    if scaling is None:
+        return None
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind != "llama3":
+        raise ConfigError(f"{source}: rope_scaling type {kind!r} is not supported (only 'llama3')")
+    return RopeScaling(
+        factor=float(scaling["factor"]),
+        low_freq_factor=float(scaling["low_freq_factor"]),
+        high_freq_factor=float(scaling["high_freq_factor"]),
+        original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+    )
+
+
+def declared_dtype(raw: dict) -> str:
+    """The compute dtype a config.json declares (torch_dtype, or dtype as transformers >= 5 writes): bf16 or fp32."""
+    return "bfloat16" if raw.get("torch_dtype", raw.get("dtype", "float32")) == "bfloat16" else "float32"
 
 
 def read_config_json(model_dir: str | Path, what: str = "an HF model directory", missing=None) -> dict:

@@ -30,7 +30,10 @@ from dflash_model.config import (
     RopeScaling,
     TargetConfig,
     check_heads_and_dtype,
+    declared_dtype,
     jnp_dtype,
+    rope_scaling_of,
+    rope_theta_of,
 )
 from dflash_model.layers import MASK_VALUE, apply_rope, rms_norm, rope_angles, rope_inv_freq, swiglu
 from dflash_model.target import KVCache, config_of, embed, lm_head, write_rows
@@ -250,7 +253,6 @@ def _from_zlab(raw: dict[str, Any], source: str) -> DrafterConfig:
                 "full layers bidirectional) is supported"
             )
 
-    declared = raw.get("torch_dtype", raw.get("dtype", "float32"))
     try:
         return DrafterConfig(
             hidden_size=hidden,
@@ -260,8 +262,8 @@ def _from_zlab(raw: dict[str, Any], source: str) -> DrafterConfig:
             num_key_value_heads=int(need("num_key_value_heads")),
             head_dim=int(raw.get("head_dim") or hidden // int(need("num_attention_heads"))),
             rms_norm_eps=float(need("rms_norm_eps")),
-            rope_theta=_rope_theta(raw, source),
-            rope_scaling=_rope_scaling(raw, source),
+            rope_theta=rope_theta_of(raw, source),
+            rope_scaling=rope_scaling_of(raw, source),
             max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
             vocab_size=int(need("vocab_size")),
             block_size=int(block),
@@ -270,38 +272,10 @@ def _from_zlab(raw: dict[str, Any], source: str) -> DrafterConfig:
             num_target_layers=num_target,
             layer_types=tuple(layer_types) if layer_types is not None else None,
             sliding_window=int(window) if window is not None else None,
-            dtype="bfloat16" if declared == "bfloat16" else "float32",
+            dtype=declared_dtype(raw),
         )
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}") from e
-
-
-def _rope_theta(raw: dict, source: str) -> float:
-    theta = raw.get("rope_theta")
-    if theta is None and isinstance(raw.get("rope_parameters"), dict):  # transformers >= 5 layout
-        theta = raw["rope_parameters"].get("rope_theta")
-    if theta is None:
-        raise ConfigError(f"{source}: missing required key 'rope_theta' (or rope_parameters.rope_theta)")
-    return float(theta)
-
-
-def _rope_scaling(raw: dict, source: str) -> RopeScaling | None:
-    scaling = raw.get("rope_scaling") or None
-    if scaling is None and isinstance(raw.get("rope_parameters"), dict):
-        scaling = raw["rope_parameters"]
-    if scaling is None:
-        return None
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind == "default":
-        return None
-    if kind != "llama3":
-        raise ConfigError(f"{source}: rope_scaling type {kind!r} is not supported (only 'llama3')")
-    return RopeScaling(
-        factor=float(scaling["factor"]),
-        low_freq_factor=float(scaling["low_freq_factor"]),
-        high_freq_factor=float(scaling["high_freq_factor"]),
-        original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
-    )
 
 
 def drafter_config_for(
