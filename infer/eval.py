@@ -235,8 +235,8 @@ def summarize(records: list[dict], draft, max_new_tokens: int) -> dict:
     mismatches = []
     for r in records:
         p, s = r["plain_tokens"], r["spec_tokens"]
-        if p != s:
-            first = next((j for j, (x, y) in enumerate(zip(p, s)) if x != y), min(len(p), len(s)))
+        first = first_difference(p, s)
+        if first is not None:
             mismatches.append(
                 {
                     "id": r["id"],
@@ -281,16 +281,19 @@ def summarize(records: list[dict], draft, max_new_tokens: int) -> dict:
     }
 
 
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """Index of the first token where two answers differ (the shorter one's length where one stopped and the other
+    went on); None where they are equal."""
+    if a == b:
+        return None
+    return next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def count_flips(reference: list[list[int]], tokens: list[list[int]]) -> dict:
     """Where greedy answers part from a reference decoding of the same prompts (bf16 against fp32): a flip is the
     first token where they differ (a near-tie in the logits that the lower precision resolves the other way);
     after it the two texts go their own ways, so later tokens are not compared."""
-    first = []
-    for ref, got in zip(reference, tokens, strict=True):
-        j = next((j for j, (x, y) in enumerate(zip(ref, got)) if x != y), None)
-        if j is None and len(ref) != len(got):
-            j = min(len(ref), len(got))  # one stopped where the other went on
-        first.append(j)
+    first = [first_difference(ref, got) for ref, got in zip(reference, tokens, strict=True)]
     flipped = [j for j in first if j is not None]
     return {
         "prompts": len(first),
@@ -302,23 +305,15 @@ def count_flips(reference: list[list[int]], tokens: list[list[int]]) -> dict:
     }
 
 
-def _flips_against_fp32(target_spec: str, prompts, plain_answers, *, max_new_tokens: int, stop_ids) -> dict:
-    """Decode every prompt plainly with the target in fp32 and count where the lower-precision plain answers
-    part from it (`count_flips`). Untimed."""
-    fp32 = load_target_spec(target_spec, "float32")
-    engine = Engine(fp32.model, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
-    reference = [engine.generate([p])[0].tokens for p in prompts]
-    return count_flips(reference, plain_answers)
-
-
-def _flips_line(args, target, prompts, reports: dict, stop_ids) -> dict | None:
-    """Below fp32, the plain answers' flips against fp32 plain decoding (None at fp32)."""
+def _flips_against_fp32(args, target, prompts, reports: dict, stop_ids) -> dict | None:
+    """Below fp32: decode every prompt plainly with the target in fp32 (untimed) and count where the plain answers
+    of this run part from it (`count_flips`). None at fp32."""
     if target.config.dtype == "float32":
         return None
-    plain_answers = [r["plain_tokens"] for r in next(iter(reports.values()))["per_prompt"]]
-    return _flips_against_fp32(
-        args.target, prompts, plain_answers, max_new_tokens=args.max_new_tokens, stop_ids=stop_ids
-    )
+    fp32 = load_target_spec(args.target, "float32")
+    engine = Engine(fp32.model, max_new_tokens=args.max_new_tokens, stop_ids=stop_ids)
+    reference = [engine.generate([p])[0].tokens for p in prompts]
+    return count_flips(reference, [r["plain_tokens"] for r in next(iter(reports.values()))["per_prompt"]])
 
 
 def format_flips(flips: dict) -> str:
@@ -530,7 +525,7 @@ def main(argv=None) -> dict:
         "device": str(jax.devices()[0]),
         "dtype": target.config.dtype,
     }
-    flips = _flips_line(args, target, prompts, reports, stop_ids)
+    flips = _flips_against_fp32(args, target, prompts, reports, stop_ids)
     # One draft: its report is the file (with the run's facts); several: one table over all of them.
     rep = {**about, "reports": reports} if len(drafts) > 1 else {**reports[drafts[0].name], **about}
     if flips:

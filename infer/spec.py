@@ -28,7 +28,7 @@ import numpy as np
 
 from dflash_model.target import KVCache, config_of, forward
 from infer.plain import pad_prompts, truncate_at_stop
-from infer.proposers import SOURCES, NoProposer, Proposal, scored
+from infer.proposers import DRAFTER, SOURCES, NoProposer, Proposal, scored
 from infer.tree import build_tree, walk_tree
 
 # Trace counts of the jitted steps (incremented only while tracing): tests check one compile per shape bucket.
@@ -143,7 +143,7 @@ def _verify_tree(target, proposer, params, st: DecodeState, last_B, key, *, k, t
     feats = None if out.features is None else jnp.take_along_axis(out.features, path_BK[..., None], axis=1)
     cache = out.cache.keep_path(st.cache.lengths, path_BK)
     nonfinite = ~jnp.all(jnp.isfinite(out.logits))
-    prop = Proposal(tokens_BJO[..., 0], jnp.exp(logp_BJO[..., 0]), jnp.zeros_like(last_B), jnp.bool_(True))
+    prop = Proposal(tokens_BJO[..., 0], jnp.exp(logp_BJO[..., 0]), jnp.full_like(last_B, DRAFTER), jnp.bool_(True))
     return prop, committed, a, feats, cache, nonfinite
 
 
