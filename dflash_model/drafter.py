@@ -1,4 +1,4 @@
-"""DFlash drafter: config (z-lab format), NNX module, cached inference and the one-pass multi-block training forward.
+"""DFlash drafter: config, NNX module, cached inference and the one-pass multi-block training forward.
 
 Dimension letters: docs/glossary.md (one glossary for the repository).
 
@@ -30,10 +30,7 @@ from dflash_model.config import (
     RopeScaling,
     TargetConfig,
     check_heads_and_dtype,
-    declared_dtype,
     jnp_dtype,
-    rope_scaling_of,
-    rope_theta_of,
 )
 from dflash_model.layers import MASK_VALUE, apply_rope, rms_norm, rope_angles, rope_inv_freq, swiglu
 from dflash_model.target import KVCache, config_of, embed, lm_head, write_rows
@@ -63,7 +60,7 @@ def default_target_layer_ids(num_target_layers: int, n: int) -> list[int]:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DrafterConfig:
-    """Architecture of a DFlash drafter, named as in z-lab's config.json (see `from_zlab_config`)."""
+    """A DFlash drafter's architecture, named as in z-lab's config.json (`drafter_weights.parse_zlab_config`)."""
 
     hidden_size: int
     intermediate_size: int
@@ -137,145 +134,6 @@ class DrafterConfig:
         attn = d * h * (2 * self.num_attention_heads + 2 * self.num_key_value_heads) + 2 * h
         per_layer = attn + 3 * d * m + 2 * d
         return self.feature_size * d + 2 * d + self.num_hidden_layers * per_layer
-
-    # -- z-lab config.json ---------------------------------------------------------------------------------
-
-    @classmethod
-    def from_zlab_config(cls, raw: dict[str, Any], source: str = "config.json") -> DrafterConfig:
-        """Parse a z-lab DFlash config.json dict; anything this implementation would silently get wrong is an
-        error naming the key (`source` names the file in messages)."""
-        return _from_zlab(raw, source)
-
-    def to_zlab_config(self) -> dict[str, Any]:
-        """The config.json z-lab drafters ship and vLLM / SGLang read (dtype written as `torch_dtype`).
-
-        `auto_map` makes `transformers.AutoModel.from_pretrained(dir, trust_remote_code=True)` (the route z-lab
-        documents) build z-lab's own DFlashDraftModel: it names the modeling file published in z-lab's model
-        repositories (ZLAB_MODELING) rather than copying it here. Without it that route silently builds a plain
-        Qwen3 model with no `fc` and `hidden_norm`.
-        """
-        layer_types = list(self.layer_types or ("full_attention",) * self.num_hidden_layers)
-        out = {
-            "architectures": ["DFlashDraftModel"],
-            "auto_map": {"AutoModel": ZLAB_MODELING},
-            "model_type": "qwen3",
-            "block_size": self.block_size,
-            "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)},
-            "num_target_layers": self.num_target_layers,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_hidden_layers,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
-            "rope_scaling": None,
-            "max_position_embeddings": self.max_position_embeddings,
-            "layer_types": layer_types,
-            "sliding_window": self.sliding_window,
-            # HF's Qwen3Config drops sliding_window unless this is set, so a sliding draft needs it.
-            "use_sliding_window": "sliding_attention" in layer_types,
-            "vocab_size": self.vocab_size,
-            "hidden_act": "silu",
-            "attention_bias": False,
-            "torch_dtype": self.dtype,
-        }
-        if self.rope_scaling is not None:
-            out["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(self.rope_scaling)}
-        return out
-
-
-# transformers' remote-code reference "<hub repo>--<module>.<class>": the DFlashDraftModel z-lab publishes beside its
-# b16 drafters (dflash.py in each model repository; any of them carries the same class).
-ZLAB_MODELING = "z-lab/Qwen3-8B-DFlash-b16--dflash.DFlashDraftModel"
-
-# Keys of dflash_config this implementation honours; any other one changes the algorithm (DFlash2 selectors,
-# logit soft-capping, sink biases, ...) and is refused rather than ignored.
-_DFLASH_KEYS = {"mask_token_id", "target_layer_ids", "block_size", "causal"}
-
-
-def _from_zlab(raw: dict[str, Any], source: str) -> DrafterConfig:
-    def need(key: str, where: dict = raw, prefix: str = ""):
-        if key not in where or where[key] is None:
-            raise ConfigError(f"{source}: missing required key {prefix + key!r}")
-        return where[key]
-
-    arch = raw.get("architectures")
-    if arch != ["DFlashDraftModel"]:
-        raise ConfigError(f"{source}: architectures={arch!r}; only ['DFlashDraftModel'] is supported")
-    if raw.get("model_type") != "qwen3":
-        raise ConfigError(f"{source}: model_type={raw.get('model_type')!r}; DFlash drafters are 'qwen3'")
-    dflash = raw.get("dflash_config")
-    if not isinstance(dflash, dict):
-        raise ConfigError(f"{source}: missing required key 'dflash_config' (with mask_token_id, target_layer_ids)")
-    unknown = sorted(set(dflash) - _DFLASH_KEYS)
-    if unknown:
-        raise ConfigError(f"{source}: dflash_config keys {unknown} are not supported")
-    if raw.get("attention_bias"):
-        raise ConfigError(f"{source}: attention_bias=true is not supported (DFlash drafters have no biases)")
-    if raw.get("hidden_act", "silu") != "silu":
-        raise ConfigError(f"{source}: hidden_act={raw['hidden_act']!r}; only 'silu' is supported")
-
-    hidden = int(need("hidden_size"))
-    if raw.get("target_hidden_size", hidden) != hidden:
-        raise ConfigError(f"{source}: target_hidden_size={raw['target_hidden_size']} != hidden_size={hidden}")
-    top_block, nested_block = raw.get("block_size"), dflash.get("block_size")
-    if top_block is not None and nested_block is not None and int(top_block) != int(nested_block):
-        raise ConfigError(f"{source}: block_size={top_block} but dflash_config.block_size={nested_block}")
-    block = top_block if top_block is not None else nested_block
-    if block is None:
-        raise ConfigError(f"{source}: missing required key 'block_size' (top level or in dflash_config)")
-
-    num_layers = int(need("num_hidden_layers"))
-    num_target = int(need("num_target_layers"))
-    ids = dflash.get("target_layer_ids")
-    if ids is None:
-        # The reference falls back to one feature per draft layer, spread by the default rule.
-        try:
-            ids = default_target_layer_ids(num_target, num_layers)
-        except ValueError as e:
-            raise ConfigError(f"{source}: no dflash_config.target_layer_ids and {e}") from e
-
-    # As HF's Qwen3Config (which z-lab's reference and vLLM read through): sliding_window counts only with
-    # use_sliding_window, and without layer_types the layers from max_window_layers on slide.
-    window = raw.get("sliding_window") if raw.get("use_sliding_window", False) else None
-    layer_types = raw.get("layer_types")
-    if layer_types is None and window is not None:
-        first = int(raw.get("max_window_layers", 28))
-        layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
-    sliding = [t == "sliding_attention" for t in (layer_types or ())]
-    # z-lab: a layer is causal iff it slides, unless is_causal / dflash_config.causal overrides all layers.
-    for key, value in (("is_causal", raw.get("is_causal")), ("dflash_config.causal", dflash.get("causal"))):
-        if value is not None and (any(s != bool(value) for s in sliding) or (not sliding and value)):
-            raise ConfigError(
-                f"{source}: {key}={value} with layer_types={layer_types}: only the default (sliding layers causal, "
-                "full layers bidirectional) is supported"
-            )
-
-    try:
-        return DrafterConfig(
-            hidden_size=hidden,
-            intermediate_size=int(need("intermediate_size")),
-            num_hidden_layers=num_layers,
-            num_attention_heads=int(need("num_attention_heads")),
-            num_key_value_heads=int(need("num_key_value_heads")),
-            head_dim=int(raw.get("head_dim") or hidden // int(need("num_attention_heads"))),
-            rms_norm_eps=float(need("rms_norm_eps")),
-            rope_theta=rope_theta_of(raw, source),
-            rope_scaling=rope_scaling_of(raw, source),
-            max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
-            vocab_size=int(need("vocab_size")),
-            block_size=int(block),
-            mask_token_id=int(need("mask_token_id", dflash, "dflash_config.")),
-            target_layer_ids=tuple(int(i) for i in ids),
-            num_target_layers=num_target,
-            layer_types=tuple(layer_types) if layer_types is not None else None,
-            sliding_window=int(window) if window is not None else None,
-            dtype=declared_dtype(raw),
-        )
-    except ConfigError as e:
-        raise ConfigError(f"{source}: {e}") from e
 
 
 def drafter_config_for(

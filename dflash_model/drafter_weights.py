@@ -1,4 +1,5 @@
-"""z-lab DFlash drafter checkpoints (config.json + model.safetensors): strict load, export, schema check.
+"""z-lab DFlash drafter checkpoints (config.json + model.safetensors): the config.json parser and writer, strict
+load, export, schema check.
 
 The format is the one z-lab publishes and vLLM / SGLang / tpu-inference read: unprefixed tensor names, torch
 Linear layout [out, in], no embedding, no lm_head, no biases, no rotary buffers; 3 + 11 * L tensors.
@@ -8,17 +9,27 @@ first tensor is read, so a mismatch is an error naming it and never a half-loade
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from safetensors.flax import save_file
 
-from dflash_model.config import ConfigError, TargetConfig, jnp_dtype, read_config_json
-from dflash_model.drafter import Drafter, DrafterConfig, abstract_drafter, check_pairing
+from dflash_model.config import (
+    ConfigError,
+    TargetConfig,
+    declared_dtype,
+    jnp_dtype,
+    read_config_json,
+    rope_scaling_of,
+    rope_theta_of,
+)
+from dflash_model.drafter import Drafter, DrafterConfig, abstract_drafter, check_pairing, default_target_layer_ids
 from dflash_model.files import atomic_write_json
 from dflash_model.sharding import param_shardings
 from dflash_model.weights import CheckpointError, SafetensorsSource, check_finite, raise_problems, torch_layouts
@@ -64,7 +75,7 @@ def zlab_tensor_specs(cfg: DrafterConfig) -> dict[str, DraftTensor]:
     return dict(entries)
 
 
-def _declared_dtype(raw: dict) -> str:
+def _stored_dtype(raw: dict) -> str:
     """The dtype the config says the tensors are stored in (`torch_dtype`, or transformers 5's `dtype`)."""
     return raw.get("torch_dtype", raw.get("dtype", "float32"))
 
@@ -73,10 +84,147 @@ def _read_config(model_dir: Path) -> dict:
     return read_config_json(model_dir, "a z-lab drafter directory", missing=CheckpointError)
 
 
-def tensor_problems(source, cfg: DrafterConfig, declared_dtype: str | None) -> list[str]:
+# -- z-lab config.json: parse and write ------------------------------------------------------------------
+
+# transformers' remote-code reference "<hub repo>--<module>.<class>": the DFlashDraftModel z-lab publishes beside its
+# b16 drafters (dflash.py in each model repository; any of them carries the same class).
+ZLAB_MODELING = "z-lab/Qwen3-8B-DFlash-b16--dflash.DFlashDraftModel"
+
+# Keys of dflash_config this implementation honours; any other one changes the algorithm (DFlash2 selectors,
+# logit soft-capping, sink biases, ...) and is refused rather than ignored.
+_DFLASH_KEYS = {"mask_token_id", "target_layer_ids", "block_size", "causal"}
+
+
+def parse_zlab_config(raw: dict[str, Any], source: str = "config.json") -> DrafterConfig:
+    """A DrafterConfig from a z-lab DFlash config.json dict; anything this implementation would silently get wrong
+    is an error naming the key (`source` names the file in messages)."""
+
+    def need(key: str, where: dict = raw, prefix: str = ""):
+        if key not in where or where[key] is None:
+            raise ConfigError(f"{source}: missing required key {prefix + key!r}")
+        return where[key]
+
+    arch = raw.get("architectures")
+    if arch != ["DFlashDraftModel"]:
+        raise ConfigError(f"{source}: architectures={arch!r}; only ['DFlashDraftModel'] is supported")
+    if raw.get("model_type") != "qwen3":
+        raise ConfigError(f"{source}: model_type={raw.get('model_type')!r}; DFlash drafters are 'qwen3'")
+    dflash = raw.get("dflash_config")
+    if not isinstance(dflash, dict):
+        raise ConfigError(f"{source}: missing required key 'dflash_config' (with mask_token_id, target_layer_ids)")
+    unknown = sorted(set(dflash) - _DFLASH_KEYS)
+    if unknown:
+        raise ConfigError(f"{source}: dflash_config keys {unknown} are not supported")
+    if raw.get("attention_bias"):
+        raise ConfigError(f"{source}: attention_bias=true is not supported (DFlash drafters have no biases)")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"{source}: hidden_act={raw['hidden_act']!r}; only 'silu' is supported")
+
+    hidden = int(need("hidden_size"))
+    if raw.get("target_hidden_size", hidden) != hidden:
+        raise ConfigError(f"{source}: target_hidden_size={raw['target_hidden_size']} != hidden_size={hidden}")
+    top_block, nested_block = raw.get("block_size"), dflash.get("block_size")
+    if top_block is not None and nested_block is not None and int(top_block) != int(nested_block):
+        raise ConfigError(f"{source}: block_size={top_block} but dflash_config.block_size={nested_block}")
+    block = top_block if top_block is not None else nested_block
+    if block is None:
+        raise ConfigError(f"{source}: missing required key 'block_size' (top level or in dflash_config)")
+
+    num_layers = int(need("num_hidden_layers"))
+    num_target = int(need("num_target_layers"))
+    ids = dflash.get("target_layer_ids")
+    if ids is None:
+        # The reference falls back to one feature per draft layer, spread by the default rule.
+        try:
+            ids = default_target_layer_ids(num_target, num_layers)
+        except ValueError as e:
+            raise ConfigError(f"{source}: no dflash_config.target_layer_ids and {e}") from e
+
+    # As HF's Qwen3Config (which z-lab's reference and vLLM read through): sliding_window counts only with
+    # use_sliding_window, and without layer_types the layers from max_window_layers on slide.
+    window = raw.get("sliding_window") if raw.get("use_sliding_window", False) else None
+    layer_types = raw.get("layer_types")
+    if layer_types is None and window is not None:
+        first = int(raw.get("max_window_layers", 28))
+        layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+    sliding = [t == "sliding_attention" for t in (layer_types or ())]
+    # z-lab: a layer is causal iff it slides, unless is_causal / dflash_config.causal overrides all layers.
+    for key, value in (("is_causal", raw.get("is_causal")), ("dflash_config.causal", dflash.get("causal"))):
+        if value is not None and (any(s != bool(value) for s in sliding) or (not sliding and value)):
+            raise ConfigError(
+                f"{source}: {key}={value} with layer_types={layer_types}: only the default (sliding layers causal, "
+                "full layers bidirectional) is supported"
+            )
+
+    try:
+        return DrafterConfig(
+            hidden_size=hidden,
+            intermediate_size=int(need("intermediate_size")),
+            num_hidden_layers=num_layers,
+            num_attention_heads=int(need("num_attention_heads")),
+            num_key_value_heads=int(need("num_key_value_heads")),
+            head_dim=int(raw.get("head_dim") or hidden // int(need("num_attention_heads"))),
+            rms_norm_eps=float(need("rms_norm_eps")),
+            rope_theta=rope_theta_of(raw, source),
+            rope_scaling=rope_scaling_of(raw, source),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
+            vocab_size=int(need("vocab_size")),
+            block_size=int(block),
+            mask_token_id=int(need("mask_token_id", dflash, "dflash_config.")),
+            target_layer_ids=tuple(int(i) for i in ids),
+            num_target_layers=num_target,
+            layer_types=tuple(layer_types) if layer_types is not None else None,
+            sliding_window=int(window) if window is not None else None,
+            dtype=declared_dtype(raw),
+        )
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from e
+
+
+def zlab_config(cfg: DrafterConfig) -> dict[str, Any]:
+    """The config.json z-lab drafters ship and vLLM / SGLang read (dtype written as `torch_dtype`).
+
+    `auto_map` makes `transformers.AutoModel.from_pretrained(dir, trust_remote_code=True)` (the route z-lab
+    documents) build z-lab's own DFlashDraftModel: it names the modeling file published in z-lab's model
+    repositories (ZLAB_MODELING) rather than copying it here. Without it that route silently builds a plain
+    Qwen3 model with no `fc` and `hidden_norm`.
+    """
+    layer_types = list(cfg.layer_types or ("full_attention",) * cfg.num_hidden_layers)
+    out = {
+        "architectures": ["DFlashDraftModel"],
+        "auto_map": {"AutoModel": ZLAB_MODELING},
+        "model_type": "qwen3",
+        "block_size": cfg.block_size,
+        "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids)},
+        "num_target_layers": cfg.num_target_layers,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": None,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "layer_types": layer_types,
+        "sliding_window": cfg.sliding_window,
+        # HF's Qwen3Config drops sliding_window unless this is set, so a sliding draft needs it.
+        "use_sliding_window": "sliding_attention" in layer_types,
+        "vocab_size": cfg.vocab_size,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "torch_dtype": cfg.dtype,
+    }
+    if cfg.rope_scaling is not None:
+        out["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(cfg.rope_scaling)}
+    return out
+
+
+def tensor_problems(source, cfg: DrafterConfig, stored_dtype: str | None) -> list[str]:
     """Every missing, unexpected, mis-shaped or mis-typed tensor of `source` against `cfg`."""
     shapes = {name: spec.shape for name, spec in zlab_tensor_specs(cfg).items()}
-    return shape_dtype_problems(source, shapes, declared_dtype)
+    return shape_dtype_problems(source, shapes, stored_dtype)
 
 
 def load_drafter(
@@ -90,10 +238,10 @@ def load_drafter(
     model_dir = Path(model_dir)
     raw = _read_config(model_dir)
     source_name = str(model_dir / "config.json")
-    cfg = DrafterConfig.from_zlab_config(raw, source=source_name)
+    cfg = parse_zlab_config(raw, source=source_name)
     if target_cfg is not None:
         check_pairing(cfg, target_cfg, source=source_name)
-    declared = _declared_dtype(raw)
+    declared = _stored_dtype(raw)
     if declared not in _SAFETENSORS_DTYPE:
         raise ConfigError(f"{source_name}: torch_dtype={declared!r}; expected one of {sorted(_SAFETENSORS_DTYPE)}")
     source = SafetensorsSource(model_dir)
@@ -135,7 +283,7 @@ def export_drafter(drafter: Drafter, cfg: DrafterConfig, out_dir: str | Path, dt
     }
     # format=pt: transformers' safetensors loader (z-lab's reference path) expects torch-format metadata.
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    atomic_write_json(out / "config.json", out_cfg.to_zlab_config())
+    atomic_write_json(out / "config.json", zlab_config(out_cfg))
     return out
 
 
@@ -190,7 +338,7 @@ def check_zlab_schema(model_dir: str | Path) -> list[str]:
     theta = raw.get("rope_theta", (raw.get("rope_parameters") or {}).get("rope_theta"))
     if not isinstance(theta, (int, float)):
         problems.append("rope_theta missing (top level or rope_parameters.rope_theta)")
-    declared = _declared_dtype(raw)
+    declared = _stored_dtype(raw)
     if declared not in _SAFETENSORS_DTYPE:
         problems.append(f"torch_dtype={declared!r}, expected one of {sorted(_SAFETENSORS_DTYPE)}")
     layer_types = raw.get("layer_types")
@@ -203,7 +351,7 @@ def check_zlab_schema(model_dir: str | Path) -> list[str]:
     if problems:
         return problems
     try:
-        cfg = DrafterConfig.from_zlab_config(raw, source=str(model_dir / "config.json"))
+        cfg = parse_zlab_config(raw, source=str(model_dir / "config.json"))
     except ConfigError as e:
         return [str(e)]
     try:
@@ -219,6 +367,8 @@ __all__ = [
     "check_zlab_schema",
     "export_drafter",
     "load_drafter",
+    "parse_zlab_config",
     "tensor_problems",
+    "zlab_config",
     "zlab_tensor_specs",
 ]

@@ -14,7 +14,14 @@ from safetensors.numpy import load_file, save_file
 
 from dflash_model.config import ConfigError, TargetConfig
 from dflash_model.drafter import DrafterConfig, build_drafter, drafter_preset
-from dflash_model.drafter_weights import check_zlab_schema, export_drafter, load_drafter, zlab_tensor_specs
+from dflash_model.drafter_weights import (
+    check_zlab_schema,
+    export_drafter,
+    load_drafter,
+    parse_zlab_config,
+    zlab_config,
+    zlab_tensor_specs,
+)
 from dflash_model.target import randomize
 from dflash_model.weights import CheckpointError, SafetensorsSource
 
@@ -235,7 +242,7 @@ def test_missing_files_are_named(tmp_path):
     with pytest.raises(CheckpointError, match="config.json: not found"):
         load_drafter(tmp_path)
     assert "not found" in check_zlab_schema(tmp_path)[0]
-    (tmp_path / "config.json").write_text(json.dumps(CFG.to_zlab_config()))
+    (tmp_path / "config.json").write_text(json.dumps(zlab_config(CFG)))
     with pytest.raises(CheckpointError, match="no \\*.safetensors files"):
         load_drafter(tmp_path)
 
@@ -252,12 +259,12 @@ QWEN3_4B_B16 = {
 
 
 def test_published_configs_parse_into_the_presets():
-    assert DrafterConfig.from_zlab_config(QWEN3_4B_B16) == drafter_preset("qwen3-4b-dflash-b16")
+    assert parse_zlab_config(QWEN3_4B_B16) == drafter_preset("qwen3-4b-dflash-b16")
     qwen3_8b = QWEN3_4B_B16 | {"hidden_size": 4096, "intermediate_size": 12288, "torch_dtype": "bfloat16"}
-    assert DrafterConfig.from_zlab_config(qwen3_8b) == drafter_preset("qwen3-8b-dflash-b16")
+    assert parse_zlab_config(qwen3_8b) == drafter_preset("qwen3-8b-dflash-b16")
     for name in ("qwen3-8b-dflash-b16", "llama3.1-8b-dflash-ultrachat", "smollm2-135m-dflash"):
         cfg = drafter_preset(name)
-        assert DrafterConfig.from_zlab_config(json.loads(json.dumps(cfg.to_zlab_config()))) == cfg, name
+        assert parse_zlab_config(json.loads(json.dumps(zlab_config(cfg)))) == cfg, name
 
 
 def test_newer_config_layout_with_sliding_layers():
@@ -272,14 +279,14 @@ def test_newer_config_layout_with_sliding_layers():
     }
     del raw["block_size"]
     raw.pop("rope_theta")
-    cfg = DrafterConfig.from_zlab_config(raw)
+    cfg = parse_zlab_config(raw)
     assert (cfg.rope_theta, cfg.block_size, cfg.sliding_window) == (1e7, 16, 4096)
     assert cfg.layer_types == ("sliding_attention",) * 4 + ("full_attention",)
-    assert DrafterConfig.from_zlab_config(raw | {"use_sliding_window": False}).sliding_window is None
-    round_trip = cfg.to_zlab_config()
-    assert round_trip["use_sliding_window"] is True and DrafterConfig.from_zlab_config(round_trip) == cfg
+    assert parse_zlab_config(raw | {"use_sliding_window": False}).sliding_window is None
+    round_trip = zlab_config(cfg)
+    assert round_trip["use_sliding_window"] is True and parse_zlab_config(round_trip) == cfg
     with pytest.raises(ConfigError, match="block_size=8 but dflash_config.block_size=16"):
-        DrafterConfig.from_zlab_config(raw | {"block_size": 8})
+        parse_zlab_config(raw | {"block_size": 8})
 
 
 def test_schema_flags_what_serving_engines_refuse(exported, tmp_path):

@@ -103,7 +103,7 @@ def test_damaged_latest_checkpoint_falls_back(run30, tmp_path):
     # The damaged step is set aside (kept, not deleted), so it does not block saving step 30 again.
     assert [d.name.split("-")[0] for d in (run_dir / "checkpoints" / "damaged").iterdir()] == ["30"]
     tr.train()
-    assert tr.ckpt.latest_step() == 30
+    assert tr.checkpoints.latest_step() == 30
     assert Trainer(load_config("tiny", [f"run_dir={run_dir}"])).restored_step == 30
 
 
@@ -167,7 +167,7 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(run30, tmp_path):
     tr = Trainer(load_config("tiny", [f"run_dir={run_dir}", "debug.nan_at_step=13"]))
     with pytest.raises(TrainingDiverged, match=r"loss is nan at step 13.*Last good checkpoint: step 10"):
         tr.train()
-    assert tr.step == 12 and tr.ckpt.latest_step() == 10
+    assert tr.step == 12 and tr.checkpoints.latest_step() == 10
     assert [r["step"] for r in _records(run_dir)] == list(range(1, 13))
     good = _records(run30[0])[:12]
     assert [r["loss"] for r in _records(run_dir)] == [r["loss"] for r in good]
@@ -200,7 +200,7 @@ def test_sigterm_checkpoints_and_stops(run30, tmp_path, monkeypatch):
     monkeypatch.setattr(trainer_mod, "_pause", lambda _s: os.kill(os.getpid(), signal.SIGTERM))
     summary = tr.train()
     assert summary["stopped_by"] == "SIGTERM" and summary["step"] == 11
-    assert tr.ckpt.latest_step() == 11 and "export" not in summary
+    assert tr.checkpoints.latest_step() == 11 and "export" not in summary
     assert signal.getsignal(signal.SIGTERM) is not None  # the previous handler is back
 
 
@@ -284,6 +284,7 @@ def test_drafter_layer_types_from_the_config():
     """drafter.layer_types / sliding_window reach the DrafterConfig (and so the z-lab export); a window without
     a sliding layer, or a list of the wrong length, is refused naming the key."""
     from dflash_model.config import ConfigError, preset
+    from dflash_model.drafter_weights import zlab_config
     from train.trainer import drafter_config
 
     def dcfg(*overrides):
@@ -293,7 +294,7 @@ def test_drafter_layer_types_from_the_config():
     assert dcfg().layer_types is None and dcfg().sliding_window is None
     mixed = dcfg("drafter.layer_types=[sliding_attention,full_attention]", "drafter.sliding_window=4")
     assert mixed.layer_types == ("sliding_attention", "full_attention") and mixed.sliding_window == 4
-    assert mixed.to_zlab_config()["layer_types"] == ["sliding_attention", "full_attention"]
+    assert zlab_config(mixed)["layer_types"] == ["sliding_attention", "full_attention"]
     with pytest.raises(ValueError, match="drafter.sliding_window=4 needs drafter.layer_types"):
         dcfg("drafter.sliding_window=4")
     with pytest.raises(ConfigError, match="layer_types has 1 entries for num_hidden_layers=2"):

@@ -88,6 +88,13 @@ class Checkpoints:
         finally:
             self._set_aside(damaged)
 
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def wait_until_finished(self) -> None:
+        """Block until an asynchronous save is on disk."""
+        self.manager.wait_until_finished()
+
     def save(self, step: int, state, data_state, force: bool = False) -> None:
         if step in self.manager.all_steps():
             return

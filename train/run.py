@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> dict:
         cfg.train.batch_size,
         cfg.train.max_len,
         cfg.checkpoint.every_steps,
-        trainer.ckpt_dir,
+        trainer.checkpoints.dir,
     )
     summary = trainer.train()
     log.info("done: %s", summary)

@@ -26,7 +26,7 @@ from data import assets
 from dflash_model import sharding as shd
 from dflash_model.config import preset
 from dflash_model.drafter import build_drafter, check_pairing, drafter_config_for, drafter_preset, scale_output_norm
-from dflash_model.drafter_weights import export_drafter, load_drafter
+from dflash_model.drafter_weights import export_drafter, load_drafter, zlab_config
 from dflash_model.files import RunLock
 from dflash_model.target import build_target, config_of, forward, randomize
 from dflash_model.tokenizer import load_tokenizer
@@ -285,15 +285,13 @@ class Trainer:
         self._stop_signal = None
 
         ck = cfg.checkpoint
-        self.ckpt_dir = Path(ck.dir) if ck.dir is not None else self.run_dir / "checkpoints"
         self.checkpoints = Checkpoints(
-            self.ckpt_dir,
+            Path(ck.dir) if ck.dir is not None else self.run_dir / "checkpoints",
             meta=self._meta(),
             max_to_keep=ck.max_to_keep,
             asynchronous=bool(ck["async"]),
             lr_at=lambda total, step: float(make_optimizer(cfg.train, total)[1](step)),
         )
-        self.ckpt = self.checkpoints.manager
         self.restored_step = self.restore() if restore else None
         self.metrics_path = self.run_dir / "metrics.jsonl"
         trim_metrics(self.metrics_path, self.step)
@@ -331,7 +329,7 @@ class Trainer:
 
     def _meta(self) -> dict:
         """What a checkpoint must agree on to be resumed: the objective and the drafter architecture."""
-        arch = self.drafter_cfg.to_zlab_config()
+        arch = zlab_config(self.drafter_cfg)
         return {
             "block_size": self.block_size,
             "gamma": self.gamma,
@@ -433,11 +431,11 @@ class Trainer:
                 step = int(self.state["step"])
                 loss = float(metrics["loss"])
                 if not math.isfinite(loss):
-                    self.ckpt.wait_until_finished()
-                    last = self.ckpt.latest_step()
+                    self.checkpoints.wait_until_finished()
+                    last = self.checkpoints.latest_step()
                     raise TrainingDiverged(
                         f"loss is {loss} at step {step + 1}; stopped without saving that step. Last good "
-                        f"checkpoint: step {last} in {self.ckpt_dir}"
+                        f"checkpoint: step {last} in {self.checkpoints.dir}"
                         if last is not None
                         else f"loss is {loss} at step {step + 1}; stopped; no checkpoint had been written yet"
                     )
@@ -475,7 +473,7 @@ class Trainer:
                     break
         finally:
             profile.stop()
-            self.ckpt.wait_until_finished()
+            self.checkpoints.wait_until_finished()
             if lock is not None:
                 lock.release()
             for s, h in old_handlers.items():
