@@ -154,6 +154,30 @@ def rope_scaling_of(raw: dict, source: str) -> RopeScaling | None:
     )
 
 
+def architecture_json(cfg) -> dict:
+    """The config.json keys a target (TargetConfig) and a drafter (DrafterConfig) write alike: the Qwen3 / Llama
+    layer shape, RoPE (rope_scaling null for plain RoPE), norm eps and the stored dtype; the inverse of the
+    parsers above."""
+    return {
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": None
+        if cfg.rope_scaling is None
+        else {"rope_type": "llama3", **dataclasses.asdict(cfg.rope_scaling)},
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "torch_dtype": cfg.dtype,
+    }
+
+
 def declared_dtype(raw: dict) -> str:
     """The compute dtype a config.json declares (torch_dtype, or dtype as transformers >= 5 writes): bf16 or fp32."""
     return "bfloat16" if raw.get("torch_dtype", raw.get("dtype", "float32")) == "bfloat16" else "float32"

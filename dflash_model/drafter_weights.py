@@ -9,7 +9,6 @@ first tensor is read, so a mismatch is an error naming it and never a half-loade
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +22,7 @@ from safetensors.flax import save_file
 from dflash_model.config import (
     ConfigError,
     TargetConfig,
+    architecture_json,
     declared_dtype,
     jnp_dtype,
     read_config_json,
@@ -190,35 +190,19 @@ def zlab_config(cfg: DrafterConfig) -> dict[str, Any]:
     Qwen3 model with no `fc` and `hidden_norm`.
     """
     layer_types = list(cfg.layer_types or ("full_attention",) * cfg.num_hidden_layers)
-    out = {
+    return {
         "architectures": ["DFlashDraftModel"],
         "auto_map": {"AutoModel": ZLAB_MODELING},
         "model_type": "qwen3",
         "block_size": cfg.block_size,
         "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids)},
         "num_target_layers": cfg.num_target_layers,
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": cfg.num_hidden_layers,
-        "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.num_key_value_heads,
-        "head_dim": cfg.head_dim,
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "rope_scaling": None,
-        "max_position_embeddings": cfg.max_position_embeddings,
+        **architecture_json(cfg),
         "layer_types": layer_types,
         "sliding_window": cfg.sliding_window,
         # HF's Qwen3Config drops sliding_window unless this is set, so a sliding draft needs it.
         "use_sliding_window": "sliding_attention" in layer_types,
-        "vocab_size": cfg.vocab_size,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "torch_dtype": cfg.dtype,
     }
-    if cfg.rope_scaling is not None:
-        out["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(cfg.rope_scaling)}
-    return out
 
 
 def tensor_problems(source, cfg: DrafterConfig, stored_dtype: str | None) -> list[str]:

@@ -6,7 +6,6 @@ mismatched checkpoint is an error naming the tensor and never a half-loaded mode
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 from collections.abc import Callable
@@ -21,7 +20,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.flax import save_file
 
-from dflash_model.config import ConfigError, RopeScaling, TargetConfig, jnp_dtype, load_hf_config
+from dflash_model.config import ConfigError, RopeScaling, TargetConfig, architecture_json, jnp_dtype, load_hf_config
 from dflash_model.sharding import param_shardings
 from dflash_model.target import build_target, config_of
 
@@ -367,27 +366,12 @@ def load_gguf_target(path: str | Path, *, dtype: str = "float32", mesh=None):
 
 def to_hf_config(cfg: TargetConfig) -> dict:
     """The config.json an HF checkpoint of `cfg` carries."""
-    out = {
+    return {
         "architectures": ["Qwen3ForCausalLM" if cfg.family == "qwen3" else "LlamaForCausalLM"],
         "model_type": cfg.family,
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": cfg.num_hidden_layers,
-        "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.num_key_value_heads,
-        "head_dim": cfg.head_dim,
-        "rope_theta": cfg.rope_theta,
-        "rms_norm_eps": cfg.rms_norm_eps,
+        **architecture_json(cfg),
         "tie_word_embeddings": cfg.tie_word_embeddings,
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "torch_dtype": cfg.dtype,
     }
-    if cfg.rope_scaling is not None:
-        out["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(cfg.rope_scaling)}
-    return out
 
 
 def save_hf_target(model: nnx.Module, out_dir: str | Path, dtype: str | None = None) -> Path:
