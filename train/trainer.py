@@ -25,7 +25,14 @@ from jax.sharding import NamedSharding, PartitionSpec
 from data import assets
 from dflash_model import sharding as shd
 from dflash_model.config import preset
-from dflash_model.drafter import build_drafter, check_pairing, drafter_config_for, drafter_preset, scale_output_norm
+from dflash_model.drafter import (
+    build_drafter,
+    check_pairing,
+    copy_target_layers,
+    drafter_config_for,
+    drafter_preset,
+    scale_output_norm,
+)
 from dflash_model.drafter_weights import export_drafter, load_drafter, zlab_config
 from dflash_model.files import RunLock
 from dflash_model.target import build_target, config_of, forward, randomize
@@ -235,9 +242,13 @@ class Trainer:
         if cfg.drafter.init is not None:
             if cfg.drafter.init_logit_std is not None:
                 raise ValueError(
-                    "drafter.init and drafter.init_logit_std both set: a loaded drafter keeps its own output norm"
+                    f"drafter.init={cfg.drafter.init} and drafter.init_logit_std both set: an initialised drafter "
+                    "keeps its own output norm"
                 )
-            init_weights(drafter, self.drafter_cfg, cfg.drafter.init, self.target_cfg)
+            if cfg.drafter.init == "target":
+                drafter = copy_target_layers(drafter, self.target)
+            else:
+                init_weights(drafter, self.drafter_cfg, cfg.drafter.init, self.target_cfg)
         elif cfg.drafter.init_logit_std is not None:
             drafter = scale_output_norm(drafter, self.target, float(cfg.drafter.init_logit_std))
         drafter = shd.shard_model(drafter, self.mesh)
