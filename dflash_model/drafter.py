@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dflash_model import layers
 from dflash_model.config import (
     PRESETS,
     ConfigError,
@@ -32,7 +33,15 @@ from dflash_model.config import (
     check_heads_and_dtype,
     jnp_dtype,
 )
-from dflash_model.layers import MASK_VALUE, apply_rope, rms_norm, rope_angles, rope_inv_freq, swiglu
+from dflash_model.layers import (
+    MASK_VALUE,
+    apply_rope,
+    map_in_chunks,
+    rms_norm,
+    rope_angles,
+    rope_inv_freq,
+    swiglu,
+)
 from dflash_model.target import KVCache, config_of, embed, lm_head, write_rows
 
 ATTENTION_TYPES = ("full_attention", "sliding_attention")
@@ -392,13 +401,32 @@ def _keys_values(attn: DraftAttention, x_BXD, cos, sin, eps: float):
     return k, v
 
 
-def _attend_blocks(q_BNKQH, kc_BSGH, vc_BSGH, kb_BNJGH, vb_BNJGH, ctx_mask, blk_mask):
+def _attend_blocks(q_BNKQH, kc_BSGH, vc_BSGH, kb_BNJGH, vb_BNJGH, ctx_mask, blk_mask, max_scores: int | None = None):
     """Softmax over [context ; own block] without ever forming block-to-other-block scores.
 
     ctx_mask broadcasts to [B, N, K, S], blk_mask to [B, N, K, J]; True = may attend. One softmax spans both
     parts, so this equals dense attention over the concatenated keys with a block-diagonal mask, at
-    O(N*K*(S+K)) instead of O(N*K*(S+N*K)) scores. Scores and softmax in fp32.
+    O(N*K*(S+K)) instead of O(N*K*(S+N*K)) scores. Scores and softmax in fp32, at most `max_scores` (default
+    layers.MAX_SCORES) at once: beyond that the blocks go through in chunks (blocks never interact, so the result
+    is the same).
     """
+    max_scores = layers.MAX_SCORES if max_scores is None else max_scores
+    b, n, k, nq, _ = q_BNKQH.shape
+    s, j = kc_BSGH.shape[1], kb_BNJGH.shape[2]
+    per_chunk = max(1, max_scores // (b * nq * k * (s + j)))
+    if n <= per_chunk:
+        return _attend_blocks_dense(q_BNKQH, kc_BSGH, vc_BSGH, kb_BNJGH, vb_BNJGH, ctx_mask, blk_mask)
+    ctx_mask = jnp.broadcast_to(ctx_mask, (b, n, *ctx_mask.shape[2:]))
+    blk_mask = jnp.broadcast_to(blk_mask, (b, n, *blk_mask.shape[2:]))
+    return map_in_chunks(
+        lambda q, kb, vb, cm, bm: _attend_blocks_dense(q, kc_BSGH, vc_BSGH, kb, vb, cm, bm),
+        (q_BNKQH, kb_BNJGH, vb_BNJGH, ctx_mask, blk_mask),
+        axis=1,
+        chunk=per_chunk,
+    )
+
+
+def _attend_blocks_dense(q_BNKQH, kc_BSGH, vc_BSGH, kb_BNJGH, vb_BNJGH, ctx_mask, blk_mask):
     b, n, k, nq, h = q_BNKQH.shape
     g = kc_BSGH.shape[2]
     q = q_BNKQH.reshape(b, n, k, g, nq // g, h)

@@ -59,8 +59,46 @@ def apply_rope(x_BTQH, cos_BTh, sin_BTh):
     return out.astype(x_BTQH.dtype)
 
 
-def attend(q_BTQH, k_BSGH, v_BSGH, mask_BTS):
-    """Softmax attention with grouped kv heads; mask True = may attend. Scores and softmax in fp32."""
+# The most fp32 attention scores one call forms at once (2^26 = 256 MiB); longer queries go through in chunks
+# (`map_in_chunks`), so memory stays bounded at pod sequence lengths (Qwen3-8B at T=3072 would otherwise hold
+# 1.2 GB of scores per sequence and layer) while this project's CPU shapes keep the single dense einsum.
+MAX_SCORES = 1 << 26
+
+
+def map_in_chunks(fn, args, axis: int, chunk: int):
+    """fn over `args` cut into `chunk`-long pieces along `axis` (every arg has that axis, same length), results
+    put back together: the same values as fn(*args) when fn treats the axis independently. Each piece is
+    rematerialised in the backward pass, so the saved activations are one piece's too."""
+    n = args[0].shape[axis]
+    pieces = -(-n // chunk)
+    pad = pieces * chunk - n
+
+    def cut(x):
+        x = jnp.moveaxis(x, axis, 0)
+        x = jnp.pad(x, ((0, pad),) + ((0, 0),) * (x.ndim - 1))
+        return x.reshape(pieces, chunk, *x.shape[1:])
+
+    def paste(y):
+        y = y.reshape(pieces * chunk, *y.shape[2:])[:n]
+        return jnp.moveaxis(y, 0, axis)
+
+    out = jax.lax.map(jax.checkpoint(lambda a: fn(*(jnp.moveaxis(x, 0, axis) for x in a))), tuple(map(cut, args)))
+    return jax.tree.map(lambda y: paste(jnp.moveaxis(y, axis + 1, 1)), out)
+
+
+def attend(q_BTQH, k_BSGH, v_BSGH, mask_BTS, max_scores: int | None = None):
+    """Softmax attention with grouped kv heads; mask True = may attend. Scores and softmax in fp32, at most
+    `max_scores` (default MAX_SCORES, read at trace time) of them at once: queries in chunks beyond that."""
+    max_scores = MAX_SCORES if max_scores is None else max_scores
+    b, t, n, _ = q_BTQH.shape
+    rows = max(1, max_scores // (b * n * k_BSGH.shape[1]))
+    if t <= rows:
+        return _attend(q_BTQH, k_BSGH, v_BSGH, mask_BTS)
+    mask_BTS = jnp.broadcast_to(mask_BTS, (b, t, k_BSGH.shape[1]))
+    return map_in_chunks(lambda q, m: _attend(q, k_BSGH, v_BSGH, m), (q_BTQH, mask_BTS), axis=1, chunk=rows)
+
+
+def _attend(q_BTQH, k_BSGH, v_BSGH, mask_BTS):
     b, t, n, h = q_BTQH.shape
     kv_heads = k_BSGH.shape[2]
     q = q_BTQH.reshape(b, t, kv_heads, n // kv_heads, h)

@@ -440,3 +440,30 @@ def test_copy_target_layers_reproduces_the_targets_keys_on_the_context(family):
     narrow = build_drafter(dcfg.replace(intermediate_size=tcfg.intermediate_size // 2))
     with pytest.raises(ConfigError, match="shaped like the target"):
         dm.copy_target_layers(narrow, target)
+
+
+def test_blocks_in_chunks_equal_one_pass_with_gradients(setup, monkeypatch):
+    """Above layers.MAX_SCORES the training pass attends block chunk by block chunk: the same hidden states and
+    the same gradients with respect to the drafter's weights and the features as the one-pass layout."""
+    from dflash_model import layers
+
+    target, drafter, tokens, features = setup
+    anchors = jnp.asarray([[5, 12, 0, -1, 7], [3, 9, 17, 23, 2]])
+    graph, params = nnx.split(drafter)
+    w = jnp.asarray(np.random.default_rng(4).standard_normal((2, 6, 64)), jnp.float32)
+
+    def loss(params, f):
+        hidden = train_logits(nnx.merge(graph, params), target, f, tokens, anchors, 6, hidden_only=True)
+        return jnp.einsum("BNKD,BKD->", hidden, w), hidden
+
+    def run():
+        (_, hidden), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, features)
+        return hidden, grads
+
+    dense_hidden, dense_grads = run()
+    # 2 rows x 4 heads x 6 slots x (24 context + 6 block keys) = 1,440 scores a block: 2 blocks a chunk
+    monkeypatch.setattr(layers, "MAX_SCORES", 2 * 1440)
+    hidden, grads = run()
+    np.testing.assert_allclose(hidden, dense_hidden, rtol=1e-5, atol=1e-5)
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(dense_grads)):  # fp32 sums in another order
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-6 * float(np.abs(want).max()))

@@ -132,3 +132,37 @@ def test_real_presets_build_abstractly(name):
         f"{name}: {report['params'] / 1e9:.3f}B params, {report['bytes'] / 2**30:.2f} GiB, "
         f"{report['bytes_per_device'] / 2**20:.0f} MiB per device on {report['mesh']}"
     )
+
+
+def test_attention_in_query_chunks_equals_dense_and_bounds_memory(monkeypatch):
+    """Above layers.MAX_SCORES the target's attention goes through the queries in chunks: the same logits and
+    features as the dense pass (to fp32 rounding), cached or not, and the compiled forward's temporaries no longer
+    hold the [B, heads, T, S] fp32 score tensor."""
+    from dflash_model import layers
+
+    target = tiny_target("qwen3")
+    cfg = target.target_config
+    tokens = _tokens(2, 96)
+
+    def run(cache):
+        out = forward(target, tokens, cache, layer_ids=(1, 3))
+        return out.logits, out.features
+
+    dense = [run(None), run(KVCache.init(cfg, 2, 128))]
+    monkeypatch.setattr(layers, "MAX_SCORES", 2 * cfg.num_attention_heads * 128 * 10)  # 10 query rows a chunk
+    chunked = [run(None), run(KVCache.init(cfg, 2, 128))]
+    for (dl, df), (cl, cf) in zip(dense, chunked):
+        np.testing.assert_allclose(cl, dl, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(cf, df, rtol=1e-5, atol=1e-5)
+
+    q = jnp.ones((2, 2048, cfg.num_attention_heads, cfg.head_dim))
+    kv = jnp.ones((2, 2048, cfg.num_key_value_heads, cfg.head_dim))
+    mask = jnp.tril(jnp.ones((2048, 2048), bool))[None]
+    scores_bytes = 2 * cfg.num_attention_heads * 2048 * 2048 * 4
+
+    def temp_bytes(max_scores):
+        fn = jax.jit(lambda q, k, v: layers.attend(q, k, v, mask, max_scores=max_scores))
+        return fn.lower(q, kv, kv).compile().memory_analysis().temp_size_in_bytes
+
+    assert temp_bytes(1 << 40) >= scores_bytes  # the dense call holds every score
+    assert temp_bytes(1 << 20) < scores_bytes / 4  # 4 MiB of scores a chunk; the broadcast mask is 8 MiB
