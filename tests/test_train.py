@@ -181,6 +181,10 @@ def test_sharded_mesh_matches_one_device(tmp_path):
         load_config("tiny", [f"run_dir={tmp_path / 'b'}", "mesh.data=2", "mesh.fsdp=4", *small]), restore=False
     )
     assert eight.mesh.devices.size == 8
+    # Adam's mu and nu are sharded like the parameters they track (not replicated on every device).
+    params, mu = eight.state["params"], eight.state["opt"][1][0].mu
+    sharded = [p.sharding for p in jax.tree.leaves(params) if not p.sharding.is_fully_replicated]
+    assert sharded and [m.sharding for m in jax.tree.leaves(mu)] == [p.sharding for p in jax.tree.leaves(params)]
     batch = next(one.iterator)
     loss1, g1 = one.grads(batch)
     loss8, g8 = eight.grads(batch)

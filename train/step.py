@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from dflash_model.target import config_of, final_norm, forward
 from train.config import Config
@@ -46,6 +47,21 @@ def make_optimizer(t, total_steps: int):
         optax.adamw(sched, b1=float(t.b1), b2=float(t.b2), weight_decay=float(t.weight_decay), mask=decay_mask),
     )
     return tx, sched
+
+
+def optimizer_shardings(tx, params, mesh):
+    """Shardings of tx's state over `params` (arrays or ShapeDtypeStructs carrying shardings): every copy of the
+    parameter tree in it (Adam's mu and nu) sharded like the parameters, the rest (step counts) replicated.
+    Without this, jit lays out tx.init's zeros as it likes, and on a pod it replicated Adam's state: twice the
+    drafter's whole fp32 size on every device."""
+    rep = NamedSharding(mesh, PartitionSpec())
+    return optax.tree_map_params(
+        tx,
+        lambda _, sharding: sharding,
+        jax.eval_shape(tx.init, params),
+        jax.tree.map(lambda p: p.sharding, params),
+        transform_non_params=lambda _: rep,
+    )
 
 
 def _tree_where(ok, new, old):

@@ -42,7 +42,7 @@ from train.checkpointing import Checkpoints, trim_metrics
 from train.data import build_train_dataset
 from train.features import open_or_build
 from train.objective import default_gamma
-from train.step import BATCH_KEYS, OPT_KEYS, Program, make_optimizer, step_loss, train_step
+from train.step import BATCH_KEYS, OPT_KEYS, Program, make_optimizer, optimizer_shardings, step_loss, train_step
 
 log = logging.getLogger("dflash.train")
 
@@ -290,7 +290,8 @@ class Trainer:
             )
         self.tx, self.schedule = make_optimizer(cfg.train, self.total_steps)
         # tx.init may hand back one buffer for several equal leaves (the step counts); donation needs them distinct.
-        opt = jax.tree.map(lambda x: jnp.array(x, copy=True), jax.jit(self.tx.init)(params))
+        init = jax.jit(self.tx.init, out_shardings=optimizer_shardings(self.tx, params, self.mesh))
+        opt = jax.tree.map(lambda x: jnp.array(x, copy=True), init(params))
         self.state = self._place({"params": params, "opt": opt, "step": jnp.zeros((), jnp.int32)})
         self.iterator = iter(self.dataset)
         self._stop_signal = None
