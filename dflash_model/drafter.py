@@ -42,6 +42,7 @@ from dflash_model.layers import (
     rope_inv_freq,
     swiglu,
 )
+from dflash_model.sharding import constrain_batch
 from dflash_model.target import KVCache, config_of, embed, lm_head, write_rows
 
 ATTENTION_TYPES = ("full_attention", "sliding_attention")
@@ -389,7 +390,7 @@ def _context(drafter: Drafter, features_BTF, compute_dtype=None):
             f"x {cfg.hidden_size} = {cfg.feature_size}"
         )
     x = features_BTF.astype(compute_dtype or _dtype(drafter))
-    ctx = jnp.einsum("BTF,FD->BTD", x, drafter.fc[...].astype(x.dtype))
+    ctx = constrain_batch(jnp.einsum("BTF,FD->BTD", x, drafter.fc[...].astype(x.dtype)))
     return rms_norm(ctx, drafter.hidden_norm[...], cfg.rms_norm_eps)
 
 
@@ -493,7 +494,7 @@ def _run_blocks(drafter: Drafter, x_BNKD, mask_pos_BNK, rope_pos_BNK, ctx_kv, kv
         x = x + jnp.einsum("BNKQH,QHD->BNKD", o, attn.o_proj[...].astype(o.dtype))
         h = rms_norm(x, layer.post_attention_layernorm[...], eps)
         mlp = layer.mlp
-        x = x + swiglu(h, mlp.gate_proj[...], mlp.up_proj[...], mlp.down_proj[...])
+        x = constrain_batch(x + swiglu(h, mlp.gate_proj[...], mlp.up_proj[...], mlp.down_proj[...]))
     return rms_norm(x, drafter.norm[...], eps)
 
 

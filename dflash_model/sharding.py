@@ -76,6 +76,21 @@ def batch_sharding(mesh: Mesh, ndim: int, batch_axis: int = 0) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec(*spec))
 
 
+def constrain_batch(x, batch_axis: int = 0):
+    """Pin an activation's batch axis to (data, fsdp) while tracing under `jax.set_mesh(mesh)`; a no-op
+    elsewhere (decoding, single-device tests). Parameters are FSDP-sharded on the model dim, and left to itself
+    GSPMD shards the activations of `x @ W` the same way, replicating the batch: on a pod every device then held
+    the whole global batch's activations (train/plan.py showed 371 GiB a device for the Qwen3-8B recipe)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not set(BATCH_AXES) <= set(mesh.axis_names):
+        return x
+    if x.shape[batch_axis] % math.prod(mesh.shape[a] for a in BATCH_AXES):
+        return x  # a batch the axes do not divide (e.g. a feature precompute chunk) stays as GSPMD lays it
+    spec = [None] * x.ndim
+    spec[batch_axis] = BATCH_AXES
+    return jax.lax.with_sharding_constraint(x, PartitionSpec(*spec))
+
+
 def memory_report(model: nnx.Module, mesh) -> dict:
     """Parameter count, total bytes and the largest per-device bytes of `model` sharded on `mesh`."""
     specs = param_specs(model, mesh)

@@ -25,6 +25,7 @@ from tunix.models.qwen3 import model as qwen3
 
 from dflash_model.config import TargetConfig, jnp_dtype
 from dflash_model.layers import apply_rope, attend, rms_norm, rope_angles, rope_inv_freq, swiglu
+from dflash_model.sharding import constrain_batch
 
 # The init scale of a randomly initialised target (tests, tiny configs, random presets): logits O(1) at depth.
 RANDOM_INIT_STD = 0.08
@@ -234,6 +235,7 @@ def forward(
             h = rms_norm(x, layer.post_attention_layernorm.w[...], eps)
             mlp = layer.mlp
             x = x + swiglu(h, mlp.gate_proj.kernel[...], mlp.up_proj.kernel[...], mlp.down_proj.kernel[...])
+            x = constrain_batch(x)
         if i in wanted:
             features.append((i, x))
 

@@ -1,5 +1,9 @@
 """Train a DFlash drafter: `python train/run.py [--config smollm2-135m] [--block 64] [key=value ...]`.
 
+`--dry-run [--pod v5p-128]` trains nothing: it compiles one training step of the config over abstract arrays on a
+mesh of the pod's size (fake CPU devices) and prints memory per device against the chip's HBM and the step's FLOPs
+(train/plan.py); `--pod` also takes DEVICES[:HBM_GIB].
+
 The default config does the whole job on the embedded SmolLM2-135M-Instruct: regenerate ShareGPT replies with
 the target (cached), train, checkpoint, export in the z-lab format, and evaluate against plain decoding and
 n-gram drafting on held-out prompts (train/workflow.py).
@@ -66,6 +70,8 @@ def main(argv: list[str] | None = None) -> dict:
         configs = sorted(p.stem for p in (Path(__file__).resolve().parent.parent / "configs").glob("*.yml"))
         print(__doc__.strip() + "\n\nconfigs: " + ", ".join(configs) + "\nkeys and defaults: configs/base.yml")
         return {}
+    if "--dry-run" in args:
+        return dry_run(args)
     init_distributed()
     name, overrides = cli_overrides(args)
     cfg = load_config(name, overrides)
@@ -129,6 +135,27 @@ def main(argv: list[str] | None = None) -> dict:
     if reports is not None:
         summary["eval"] = reports
     return summary
+
+
+def dry_run(args: list[str]) -> dict:
+    """`--dry-run [--pod SPEC]`: plan the config on a pod (train/plan.py) and print the table."""
+    from train import plan
+    from train.config import cli_overrides, load_config
+
+    args = [a for a in args if a != "--dry-run"]
+    pod_spec = "v5p-128"
+    if "--pod" in args:
+        i = args.index("--pod")
+        if i + 1 >= len(args):
+            raise ValueError("--pod needs a value (e.g. --pod v5p-128, or --pod 64:95 for 64 devices of 95 GiB)")
+        pod_spec = args[i + 1]
+        del args[i : i + 2]
+    pod = plan.parse_pod(pod_spec)
+    plan.use_fake_devices(pod)  # before anything initialises JAX
+    name, overrides = cli_overrides(args)
+    result = plan.plan(load_config(name, overrides), pod)
+    print(plan.report(result))
+    return result
 
 
 # A run stopped by SIGTERM / SIGINT saved its step and can resume, but it did not finish: a scheduler must see that.

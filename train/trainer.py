@@ -405,7 +405,8 @@ class Trainer:
                 lambda p, t, b: step_loss(prog, p, t, b, jnp.zeros((), jnp.int32), -1, self.vocab_ids)[0]
             )
         )
-        return fn(self.state["params"], self.t_state, self.put_batch(batch))
+        with jax.set_mesh(self.mesh):
+            return fn(self.state["params"], self.t_state, self.put_batch(batch))
 
     # -- the loop ------------------------------------------------------------------------------------------
 
@@ -437,7 +438,8 @@ class Trainer:
                 batch = self.next_batch()
                 profile.before(self.step + 1)
                 t0 = time.perf_counter()
-                self.state, metrics = train_step(self.state, self.t_state, batch, nan_at, self.vocab_ids, prog=prog)
+                with jax.set_mesh(self.mesh):  # traced under the mesh: activations keep their batch sharding
+                    self.state, metrics = train_step(self.state, self.t_state, batch, nan_at, self.vocab_ids, prog=prog)
                 metrics = jax.device_get(metrics)  # one host sync per step: the NaN stop and the log need it
                 dt = time.perf_counter() - t0
                 step = int(self.state["step"])
