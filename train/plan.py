@@ -208,7 +208,7 @@ def plan(cfg, pod: Pod) -> dict:
         "hbm_bytes_per_device": pod.hbm_bytes,
         "target": f"{tcfg.family} {tcfg.num_hidden_layers} layers x {tcfg.hidden_size} ({tcfg.dtype})",
         "drafter": f"{dcfg.num_hidden_layers} layers, K={k}, {n_anchors} anchors/seq (fp32 master weights)",
-        "batch": f"{b} x {length} tokens ({b // n_batch} sequences per device)",
+        "batch": f"{b} sequences x {length} tokens, {b // n_batch} a device",
         "features": cfg.features.mode,
         "bytes_per_device": {
             "target_params": per_device(t_state),
