@@ -215,7 +215,10 @@ def forward(
     cache_k, cache_v = (None, None) if cache is None else (cache.k, cache.v)
     features = []
     wanted = set(layer_ids)
-    for i, layer in enumerate(model.layers):
+    # Without logits or a cache to fill, the layers above the deepest wanted one change nothing that is returned
+    # (SmolLM2's features end at layer 27 of 30): the training forward and the feature precompute skip them.
+    depth = len(model.layers) if compute_logits or cache is not None or not layer_ids else max(layer_ids) + 1
+    for i, layer in enumerate(model.layers[:depth]):
         with jax.named_scope(f"layer{i}"):
             attn = layer.attn
             h = rms_norm(x, layer.input_layernorm.w[...], eps)

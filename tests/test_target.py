@@ -75,6 +75,15 @@ def test_layer_outputs_are_the_chosen_layers():
     np.testing.assert_array_equal(a[..., d:], b[..., : 2 * d])
     with pytest.raises(ValueError, match="outside"):
         fwd(model, tokens, layer_ids=(4,))
+    # Without logits the forward stops at the deepest wanted layer: the same features as the full forward's.
+    shallow = forward(model, tokens, layer_ids=(1, 0), compute_logits=False).features
+    np.testing.assert_array_equal(shallow, forward(model, tokens, layer_ids=(1, 0)).features)
+
+    def matmuls(ids):  # per layer: q, k, v, o and the three MLP projections
+        jaxpr = jax.make_jaxpr(lambda t: forward(model, t, layer_ids=ids, compute_logits=False).features)(tokens)
+        return str(jaxpr).count("dot_general")
+
+    assert matmuls((1, 0)) < matmuls((3,))
 
 
 def test_logits_at_one_position_per_row():

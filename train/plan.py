@@ -83,10 +83,10 @@ def model_flops(
     tcfg, dcfg, *, batch: int, length: int, anchors: int, block: int, online: bool, labels: bool, vocab: int
 ) -> dict[str, float]:
     """Matmul FLOPs of one training step (the MFU convention: 2 per multiply-add, elementwise work left out),
-    by part. As the code computes them: the target runs every layer over the whole sequence (with the lm_head when
-    it labels the data); each block position scores every context position, masked or not; the cross-entropy runs
-    through `vocab` lm_head rows twice (logits, and the hidden state's gradient in its forward); the drafter's
-    backward costs twice its forward."""
+    by part. As the code computes them: the target runs up to its deepest feature layer over the whole sequence
+    (every layer and the lm_head when it labels the data); each block position scores every context position,
+    masked or not; the cross-entropy runs through `vocab` lm_head rows twice (logits, and the hidden state's
+    gradient in its forward); the drafter's backward costs twice its forward."""
     tokens, positions = batch * length, batch * anchors * block
 
     def layer(cfg, rows, keys):
@@ -95,8 +95,9 @@ def model_flops(
         return 2 * rows * proj + 4 * rows * keys * q * h
 
     target = 0.0
-    if online:
-        target = tcfg.num_hidden_layers * layer(tcfg, tokens, length)
+    if online:  # the forward stops at the deepest feature layer unless it must reach the logits
+        depth = tcfg.num_hidden_layers if labels else max(dcfg.target_layer_ids) + 1
+        target = depth * layer(tcfg, tokens, length)
         target += 2 * tokens * tcfg.hidden_size * tcfg.vocab_size if labels else 0.0
     d, g, h = dcfg.hidden_size, dcfg.num_key_value_heads, dcfg.head_dim
     context = 2 * tokens * dcfg.feature_size * d + dcfg.num_hidden_layers * 2 * tokens * d * 2 * g * h
