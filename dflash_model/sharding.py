@@ -7,7 +7,7 @@ import math
 import jax
 import numpy as np
 from flax import nnx
-from jax.experimental import multihost_utils
+from jax.experimental import mesh_utils, multihost_utils
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -19,13 +19,34 @@ LOGICAL_TO_MESH = {"fsdp": "fsdp", "tp": "tensor", "sp": None}
 BATCH_AXES = ("data", "fsdp")
 
 
-def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1, devices=None) -> Mesh:
-    """A (data, fsdp, tensor) mesh over `devices` (default: all). Axes are Auto: jax 0.12's default
-    Explicit axes break the embedding gather."""
-    devices = jax.devices() if devices is None else devices
+def device_grid(data: int, fsdp: int, tensor: int, devices) -> np.ndarray:
+    """The [data, fsdp, tensor] array of `devices` a mesh is made of, laid out by the interconnect.
+
+    One slice: `mesh_utils.create_device_mesh`, which on TPU follows the physical torus (ICI) so the inner axes
+    (tensor, then fsdp) are the best-connected; elsewhere a plain reshape. Several slices (devices carry a
+    `slice_index`, a multislice job): the data axis spans the slices over DCN (only gradients cross it) and fsdp x
+    tensor stay inside each slice (`create_hybrid_device_mesh`).
+    """
     if data * fsdp * tensor != len(devices):
         raise ValueError(f"mesh data={data} x fsdp={fsdp} x tensor={tensor} != {len(devices)} devices")
-    grid = np.asarray(devices).reshape(data, fsdp, tensor)
+    slices = len({getattr(d, "slice_index", 0) for d in devices})
+    if slices == 1:
+        return mesh_utils.create_device_mesh((data, fsdp, tensor), devices, allow_split_physical_axes=True)
+    if data % slices:
+        raise ValueError(
+            f"mesh.data={data} over {slices} slices: the data axis spans the slices (DCN), so it must be a "
+            f"multiple of {slices}"
+        )
+    return mesh_utils.create_hybrid_device_mesh(
+        (data // slices, fsdp, tensor), (slices, 1, 1), devices, allow_split_physical_axes=True
+    )
+
+
+def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1, devices=None) -> Mesh:
+    """A (data, fsdp, tensor) mesh over `devices` (default: all), topology-aware (`device_grid`). Axes are Auto:
+    jax 0.12's default Explicit axes break the embedding gather."""
+    devices = jax.devices() if devices is None else devices
+    grid = device_grid(data, fsdp, tensor, list(devices))
     return Mesh(grid, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3)
 
 

@@ -175,3 +175,22 @@ def test_attention_in_query_chunks_equals_dense_and_bounds_memory(monkeypatch):
 
     assert temp_bytes(1 << 40) >= scores_bytes  # the dense call holds every score
     assert temp_bytes(1 << 20) < scores_bytes / 4  # 4 MiB of scores a chunk; the broadcast mask is 8 MiB
+
+
+def test_mesh_over_two_slices_puts_data_across_them():
+    """Multislice (devices with a slice_index): the data axis spans the slices, fsdp x tensor stay inside one;
+    a data axis the slice count does not divide is refused naming mesh.data. One slice: a plain grid."""
+    import types
+
+    from dflash_model.sharding import device_grid
+
+    fake = [types.SimpleNamespace(id=i, slice_index=i // 4, platform="cpu", device_kind="cpu") for i in range(8)]
+    slices_of = lambda grid: np.vectorize(lambda d: d.slice_index)(grid)
+    grid = device_grid(2, 4, 1, fake)
+    assert grid.shape == (2, 4, 1) and slices_of(grid)[:, :, 0].tolist() == [[0] * 4, [1] * 4]
+    grid = device_grid(4, 1, 2, fake)
+    assert slices_of(grid)[:, 0, :].tolist() == [[0, 0], [0, 0], [1, 1], [1, 1]]
+    with pytest.raises(ValueError, match="mesh.data=1 over 2 slices"):
+        device_grid(1, 8, 1, fake)
+    single = device_grid(1, 4, 2, jax.devices())
+    assert sorted(d.id for d in single.flat) == sorted(d.id for d in jax.devices())
