@@ -18,6 +18,19 @@ import math
 import re
 import time
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from dflash_model.config import load_hf_config, preset
+from dflash_model.drafter import Drafter
+from dflash_model.sharding import batch_sharding, param_specs
+from dflash_model.target import build_target
+from train.step import Program, make_optimizer, optimizer_shardings, train_step
+from train.trainer import drafter_config, resolve_mesh
+
 GIB = 1 << 30
 
 # HBM per JAX device (a chip: v4 and v5p TensorCore pairs form one megacore device) and TensorCores per chip,
@@ -55,21 +68,14 @@ def parse_pod(spec: str) -> Pod:
 
 
 def use_fake_devices(pod: Pod) -> None:
-    """Make the CPU backend hold `pod.devices` devices. Must run before JAX initialises a backend."""
-    import jax
-
+    """Make the CPU backend hold `pod.devices` devices. Must run before JAX initialises a backend (importing the
+    modules above does not)."""
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", pod.devices)
 
 
 def _abstract(module, mesh):
     """(graph, state of ShapeDtypeStructs carrying each parameter's NamedSharding on `mesh`)."""
-    import jax
-    from flax import nnx
-    from jax.sharding import NamedSharding
-
-    from dflash_model.sharding import param_specs
-
     specs = param_specs(module, mesh)
     graph, state = nnx.split(module)
     flat = dict(nnx.to_flat_state(state))
@@ -111,20 +117,6 @@ def model_flops(
 
 def plan(cfg, pod: Pod) -> dict:
     """The dry run of `cfg` on `pod` (JAX must already hold pod.devices devices: `use_fake_devices`)."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from flax import nnx
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    from dflash_model.config import load_hf_config, preset
-    from dflash_model.drafter import Drafter
-    from dflash_model.sharding import batch_sharding
-    from dflash_model.target import build_target
-    from train.objective import default_gamma
-    from train.step import OPT_KEYS, Program, make_optimizer, optimizer_shardings, train_step
-    from train.trainer import drafter_config, resolve_mesh
-
     if len(jax.devices()) < pod.devices:
         raise RuntimeError(f"{pod.name} needs {pod.devices} devices; JAX holds {len(jax.devices())}")
     mesh = resolve_mesh(cfg, jax.devices()[: pod.devices])
@@ -170,22 +162,15 @@ def plan(cfg, pod: Pod) -> dict:
         batch["features"] = jax.ShapeDtypeStruct(
             (b, length, dcfg.feature_size), jnp.dtype(tcfg.dtype), sharding=batch_sharding(mesh, 3)
         )
-    prog = Program(
+    prog = Program.for_config(
+        cfg,
         d_graph=d_graph,
         t_graph=t_graph,
-        block_size=k,
-        gamma=float(cfg.gamma) if cfg.gamma is not None else default_gamma(k),
-        ce_chunk=int(cfg.ce_chunk),
-        loss_positions=int(cfg.loss_positions) if cfg.loss_positions is not None else None,
-        distill_weight=float(cfg.distill_weight),
-        layer_ids=tuple(dcfg.target_layer_ids),
-        zero_features=bool(cfg.features.zero),
-        target_labels=cfg.data.labels == "target" and not offline,
-        compute_dtype=str(cfg.train.compute_dtype),
-        opt=tuple((key, cfg.train[key]) for key in OPT_KEYS),
+        layer_ids=dcfg.target_layer_ids,
         total_steps=total_steps,
-        mesh_key=(tuple(mesh.shape.items()), tuple(d.id for d in mesh.devices.flat)),
-        state_shardings=jax.tree.map(lambda x: x.sharding, state),
+        mesh=mesh,
+        state=state,
+        target_labels=cfg.data.labels == "target" and not offline,
     )
     t0 = time.time()
     nan_at = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)

@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from dflash_model.target import config_of, final_norm, forward
 from train.config import Config
-from train.objective import dflash_loss, target_labels
+from train.objective import default_gamma, dflash_loss, target_labels
 
 
 def make_optimizer(t, total_steps: int):
@@ -115,6 +115,30 @@ class Program:
 
     def optimizer(self):
         return make_optimizer(dict(self.opt), self.total_steps)
+
+    @classmethod
+    def for_config(cls, cfg, *, d_graph, t_graph, layer_ids, total_steps, mesh, state, target_labels) -> Program:
+        """The step `cfg` asks for (block, loss and optimizer keys) over these graphs, on `mesh`, for a state
+        laid out like `state` (arrays or ShapeDtypeStructs). target_labels: the step labels the data with the
+        target's own forward (data.labels=target with online features)."""
+        block = int(cfg.block_size)
+        return cls(
+            d_graph=d_graph,
+            t_graph=t_graph,
+            block_size=block,
+            gamma=float(cfg.gamma) if cfg.gamma is not None else default_gamma(block),
+            ce_chunk=int(cfg.ce_chunk),
+            loss_positions=None if cfg.loss_positions is None else int(cfg.loss_positions),
+            distill_weight=float(cfg.distill_weight),
+            layer_ids=tuple(layer_ids),
+            zero_features=bool(cfg.features.zero),
+            target_labels=bool(target_labels),
+            compute_dtype=str(cfg.train.compute_dtype),
+            opt=tuple((k, cfg.train[k]) for k in OPT_KEYS),
+            total_steps=int(total_steps),
+            mesh_key=(tuple(mesh.shape.items()), tuple(d.id for d in mesh.devices.flat)),
+            state_shardings=jax.tree.map(lambda x: x.sharding, state),
+        )
 
 
 def step_loss(prog: Program, params, t_state, batch, step, nan_at, vocab_ids=None):

@@ -42,7 +42,7 @@ from train.checkpointing import Checkpoints, trim_metrics
 from train.data import build_train_dataset
 from train.features import open_or_build
 from train.objective import default_gamma
-from train.step import BATCH_KEYS, OPT_KEYS, Program, make_optimizer, optimizer_shardings, step_loss, train_step
+from train.step import BATCH_KEYS, Program, make_optimizer, optimizer_shardings, step_loss, train_step
 
 log = logging.getLogger("dflash.train")
 
@@ -355,23 +355,15 @@ class Trainer:
     # -- the step ------------------------------------------------------------------------------------------
 
     def program(self) -> Program:
-        t = self.cfg.train
-        return Program(
+        return Program.for_config(
+            self.cfg,
             d_graph=self.d_graph,
             t_graph=self.t_graph,
-            block_size=self.block_size,
-            gamma=self.gamma,
-            ce_chunk=int(self.cfg.ce_chunk),
-            loss_positions=self.loss_positions,
-            distill_weight=self.distill_weight,
-            layer_ids=tuple(self.drafter_cfg.target_layer_ids),
-            zero_features=bool(self.cfg.features.zero),
-            target_labels=self.target_labels and self.features is None,
-            compute_dtype=str(self.cfg.train.compute_dtype),
-            opt=tuple((k, t[k]) for k in OPT_KEYS),
+            layer_ids=self.drafter_cfg.target_layer_ids,
             total_steps=self.total_steps,
-            mesh_key=(tuple(self.mesh.shape.items()), tuple(d.id for d in self.mesh.devices.flat)),
-            state_shardings=jax.tree.map(lambda x: x.sharding, self.state),
+            mesh=self.mesh,
+            state=self.state,
+            target_labels=self.target_labels and self.features is None,
         )
 
     def loss_fn(self, params, t_state, batch, nan_at=-1):
