@@ -26,6 +26,11 @@ def default_gamma(block_size: int) -> float:
     return PAPER_GAMMA.get(block_size, round(7.0 * (block_size / 16) ** 0.7, 2))
 
 
+def gamma_of(cfg) -> float:
+    """The loss decay a config trains with: its `gamma`, or the default for its block size."""
+    return float(cfg.gamma) if cfg.gamma is not None else default_gamma(int(cfg.block_size))
+
+
 def position_weights(block_size: int, gamma: float):
     """[K] loss weight per block slot: 0 for slot 0 (it holds the given token), exp(-(k-1)/gamma) for k >= 1."""
     k = jnp.arange(block_size, dtype=jnp.float32)

@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from dflash_model.target import config_of, final_norm, forward
 from train.config import Config
-from train.objective import default_gamma, dflash_loss, target_labels
+from train.objective import dflash_loss, gamma_of, target_labels
 
 
 def make_optimizer(t, total_steps: int):
@@ -126,7 +126,7 @@ class Program:
             d_graph=d_graph,
             t_graph=t_graph,
             block_size=block,
-            gamma=float(cfg.gamma) if cfg.gamma is not None else default_gamma(block),
+            gamma=gamma_of(cfg),
             ce_chunk=int(cfg.ce_chunk),
             loss_positions=None if cfg.loss_positions is None else int(cfg.loss_positions),
             distill_weight=float(cfg.distill_weight),

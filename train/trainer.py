@@ -41,7 +41,7 @@ from dflash_model.weights import load_target
 from train.checkpointing import Checkpoints, trim_metrics
 from train.data import build_train_dataset
 from train.features import open_or_build
-from train.objective import default_gamma
+from train.objective import gamma_of
 from train.step import BATCH_KEYS, Program, make_optimizer, optimizer_shardings, step_loss, train_step
 
 log = logging.getLogger("dflash.train")
@@ -224,7 +224,7 @@ class Trainer:
             if value > positions:
                 raise ValueError(f"{key}={value} exceeds the target's max_position_embeddings={positions}")
         self.block_size = int(cfg.block_size)
-        self.gamma = float(cfg.gamma) if cfg.gamma is not None else default_gamma(self.block_size)
+        self.gamma = gamma_of(cfg)
         self.loss_positions = None if cfg.loss_positions is None else int(cfg.loss_positions)
         if self.loss_positions is not None and self.loss_positions < 1:
             raise ValueError(f"loss_positions={self.loss_positions}: must be >= 1 (or null for all K-1 slots)")
