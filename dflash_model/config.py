@@ -178,9 +178,14 @@ def architecture_json(cfg) -> dict:
     }
 
 
+def stored_dtype(raw: dict) -> str:
+    """The dtype a config.json says its tensors are stored in (torch_dtype, or dtype as transformers >= 5 writes)."""
+    return raw.get("torch_dtype", raw.get("dtype", "float32"))
+
+
 def declared_dtype(raw: dict) -> str:
-    """The compute dtype a config.json declares (torch_dtype, or dtype as transformers >= 5 writes): bf16 or fp32."""
-    return "bfloat16" if raw.get("torch_dtype", raw.get("dtype", "float32")) == "bfloat16" else "float32"
+    """The compute dtype a config.json declares (its stored dtype): bf16 or fp32."""
+    return "bfloat16" if stored_dtype(raw) == "bfloat16" else "float32"
 
 
 def read_config_json(model_dir: str | Path, what: str = "an HF model directory", missing=None) -> dict:

@@ -28,6 +28,7 @@ from dflash_model.config import (
     read_config_json,
     rope_scaling_of,
     rope_theta_of,
+    stored_dtype,
 )
 from dflash_model.drafter import Drafter, DrafterConfig, abstract_drafter, check_pairing, default_target_layer_ids
 from dflash_model.files import atomic_write_json
@@ -73,11 +74,6 @@ def zlab_tensor_specs(cfg: DrafterConfig) -> dict[str, DraftTensor]:
             spec((*mlp, "down_proj"), (d, m), t),
         ]
     return dict(entries)
-
-
-def _stored_dtype(raw: dict) -> str:
-    """The dtype the config says the tensors are stored in (`torch_dtype`, or transformers 5's `dtype`)."""
-    return raw.get("torch_dtype", raw.get("dtype", "float32"))
 
 
 def _read_config(model_dir: Path) -> dict:
@@ -205,10 +201,10 @@ def zlab_config(cfg: DrafterConfig) -> dict[str, Any]:
     }
 
 
-def tensor_problems(source, cfg: DrafterConfig, stored_dtype: str | None) -> list[str]:
+def tensor_problems(source, cfg: DrafterConfig, expected_dtype: str | None) -> list[str]:
     """Every missing, unexpected, mis-shaped or mis-typed tensor of `source` against `cfg`."""
     shapes = {name: spec.shape for name, spec in zlab_tensor_specs(cfg).items()}
-    return shape_dtype_problems(source, shapes, stored_dtype)
+    return shape_dtype_problems(source, shapes, expected_dtype)
 
 
 def load_drafter(
@@ -225,7 +221,7 @@ def load_drafter(
     cfg = parse_zlab_config(raw, source=source_name)
     if target_cfg is not None:
         check_pairing(cfg, target_cfg, source=source_name)
-    declared = _stored_dtype(raw)
+    declared = stored_dtype(raw)
     if declared not in _SAFETENSORS_DTYPE:
         raise ConfigError(f"{source_name}: torch_dtype={declared!r}; expected one of {sorted(_SAFETENSORS_DTYPE)}")
     source = SafetensorsSource(model_dir)
@@ -322,7 +318,7 @@ def check_zlab_schema(model_dir: str | Path) -> list[str]:
     theta = raw.get("rope_theta", (raw.get("rope_parameters") or {}).get("rope_theta"))
     if not isinstance(theta, (int, float)):
         problems.append("rope_theta missing (top level or rope_parameters.rope_theta)")
-    declared = _stored_dtype(raw)
+    declared = stored_dtype(raw)
     if declared not in _SAFETENSORS_DTYPE:
         problems.append(f"torch_dtype={declared!r}, expected one of {sorted(_SAFETENSORS_DTYPE)}")
     layer_types = raw.get("layer_types")

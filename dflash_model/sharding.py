@@ -90,11 +90,16 @@ def shard_model(model: nnx.Module, mesh: Mesh) -> nnx.Module:
     return model
 
 
-def batch_sharding(mesh: Mesh, ndim: int, batch_axis: int = 0) -> NamedSharding:
-    """Shard one axis of an activation over data x fsdp, replicate the rest."""
+def batch_spec(ndim: int, batch_axis: int = 0) -> PartitionSpec:
+    """One axis over data x fsdp, the rest replicated."""
     spec = [None] * ndim
     spec[batch_axis] = BATCH_AXES
-    return NamedSharding(mesh, PartitionSpec(*spec))
+    return PartitionSpec(*spec)
+
+
+def batch_sharding(mesh: Mesh, ndim: int, batch_axis: int = 0) -> NamedSharding:
+    """Shard one axis of an activation over data x fsdp, replicate the rest."""
+    return NamedSharding(mesh, batch_spec(ndim, batch_axis))
 
 
 def constrain_batch(x, batch_axis: int = 0):
@@ -107,9 +112,7 @@ def constrain_batch(x, batch_axis: int = 0):
         return x
     if x.shape[batch_axis] % math.prod(mesh.shape[a] for a in BATCH_AXES):
         return x  # a batch the axes do not divide (e.g. a feature precompute chunk) stays as GSPMD lays it
-    spec = [None] * x.ndim
-    spec[batch_axis] = BATCH_AXES
-    return jax.lax.with_sharding_constraint(x, PartitionSpec(*spec))
+    return jax.lax.with_sharding_constraint(x, batch_spec(x.ndim, batch_axis))
 
 
 def memory_report(model: nnx.Module, mesh) -> dict:

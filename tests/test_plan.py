@@ -65,7 +65,7 @@ def test_model_flops_match_xla_where_nothing_loops():
     """With one cross-entropy chunk and unchunked attention the step has no loop, so XLA's own FLOP count (which
     counts a loop body once) sees all of it: the analytic matmul count agrees within 10%."""
     p = plan(load_config("tiny", ["mesh.fsdp=-1", "ce_chunk=100000"]), parse_pod("8"))
-    xla = p["xla_flops_per_device"] * p["devices"]
+    xla = p["xla_flops_per_device"] * p["mesh_devices"]
     assert 0.9 < xla / p["flops_per_step"]["total"] < 1.1
 
 

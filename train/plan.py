@@ -191,6 +191,7 @@ def plan(cfg, pod: Pod) -> dict:
         "pod": pod.name,
         "devices": pod.devices,
         "mesh": dict(mesh.shape),
+        "mesh_devices": int(mesh.devices.size),  # what the step is split over (a config's mesh may use fewer)
         "hbm_bytes_per_device": pod.hbm_bytes,
         "target": f"{tcfg.family} {tcfg.num_hidden_layers} layers x {tcfg.hidden_size} ({tcfg.dtype})",
         "drafter": f"{dcfg.num_hidden_layers} layers, K={k}, {n_anchors} anchors/seq (fp32 master weights)",
@@ -240,7 +241,7 @@ def report(p: dict) -> str:
     flops = p["flops_per_step"]
     rows += ["", "| step FLOPs (matmuls) | TFLOP | per device |", "|---|---:|---:|"]
     for key, value in flops.items():
-        rows.append(f"| {key.replace('_', ' ')} | {value / 1e12:.1f} | {value / 1e12 / p['devices']:.2f} |")
+        rows.append(f"| {key.replace('_', ' ')} | {value / 1e12:.1f} | {value / 1e12 / p['mesh_devices']:.2f} |")
     rows.append(
         f"XLA's own count: {p['xla_flops_per_device'] / 1e12:.2f} TFLOP a device (it counts a loop's body once: the "
         f"chunked cross-entropy and attention); compiled in {p['compile_s']} s on fake CPU devices"
