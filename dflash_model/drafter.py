@@ -43,7 +43,7 @@ from dflash_model.layers import (
     swiglu,
 )
 from dflash_model.sharding import constrain_batch
-from dflash_model.target import KVCache, config_of, embed, lm_head, write_rows
+from dflash_model.target import KVCache, config_of, embed, is_maxtext, lm_head, lm_head_weight, write_rows
 
 ATTENTION_TYPES = ("full_attention", "sliding_attention")
 
@@ -318,8 +318,7 @@ def scale_output_norm(drafter: Drafter, target_model: nnx.Module, logit_std: flo
     Adam, which moves a weight by ~lr per step, needs thousands of steps to shrink the scale. A trainer-side
     initialisation choice (the checkpoint format is unchanged); a short run starts near ln V instead.
     """
-    tcfg = config_of(target_model)
-    w = target_model.embedder.input_embedding[...] if tcfg.tie_word_embeddings else target_model.lm_head.w[...].T
+    w = lm_head_weight(target_model).T
     row_norm = float(jnp.mean(jnp.linalg.norm(w.astype(jnp.float32), axis=-1)))
     drafter.norm.set_value(jnp.full_like(drafter.norm[...], logit_std / max(row_norm, 1e-6)))
     return drafter
@@ -338,6 +337,8 @@ def copy_target_layers(drafter: Drafter, target_model: nnx.Module) -> Drafter:
     """
     cfg, tcfg = drafter.config, config_of(target_model)
     check_pairing(cfg, tcfg)
+    if is_maxtext(target_model):
+        raise ConfigError("drafter.init=target reads the Tunix target's layers: not available with target.maxtext")
     if (cfg.intermediate_size, cfg.num_attention_heads, cfg.head_dim) != (
         tcfg.intermediate_size,
         tcfg.num_attention_heads,

@@ -127,8 +127,18 @@ class TargetOutput:
 jax.tree_util.register_dataclass(TargetOutput, data_fields=["logits", "features", "cache"], meta_fields=[])
 
 
+def is_maxtext(model) -> bool:
+    """A MaxText-backed target (dflash_model.maxtext_target.MaxTextTarget): training features only."""
+    return getattr(model, "backend", None) == "maxtext"
+
+
+def embedding_table(model: nnx.Module):
+    """The [V, D] input embedding."""
+    return model.embedding_table() if is_maxtext(model) else model.embedder.input_embedding[...]
+
+
 def embed(model: nnx.Module, tokens_BT):
-    table = model.embedder.input_embedding[...]
+    table = embedding_table(model)
     return jnp.take(table, tokens_BT, axis=0).astype(jnp_dtype(config_of(model).dtype))
 
 
@@ -140,13 +150,16 @@ def lm_head(model: nnx.Module, hidden_BTD):
 
 def lm_head_weight(model: nnx.Module):
     """The [D, V] output projection (tied models use the embedding table)."""
+    if is_maxtext(model):
+        return model.output_weight_DV()
     if config_of(model).tie_word_embeddings:
         return model.embedder.input_embedding[...].T
     return model.lm_head.w[...]
 
 
 def final_norm(model: nnx.Module, hidden):
-    return rms_norm(hidden, model.final_norm.w[...], config_of(model).rms_norm_eps)
+    scale = model.final_norm_scale() if is_maxtext(model) else model.final_norm.w[...]
+    return rms_norm(hidden, scale, config_of(model).rms_norm_eps)
 
 
 def write_rows(stack_LBCGH, layer: int, new_BTGH, pos_BT):
@@ -189,6 +202,8 @@ def forward(
     """
     cfg = config_of(model)
     layer_ids = validate_layer_ids(cfg, layer_ids)
+    if is_maxtext(model):
+        return _maxtext_forward(model, tokens_BT, cache, layer_ids, compute_logits, logits_at, tree)
     b, t = tokens_BT.shape
     start_B = jnp.zeros((b,), jnp.int32) if cache is None else cache.lengths
     positions_BT = start_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # also the cache slots written
@@ -255,6 +270,22 @@ def forward(
     if cache is not None:
         new_cache = KVCache(cache_k, cache_v, start_B + t)
     return TargetOutput(logits, feats, new_cache)
+
+
+def _maxtext_forward(model, tokens_BT, cache, layer_ids, compute_logits, logits_at, tree) -> TargetOutput:
+    if cache is not None or tree is not None:
+        raise ValueError("a MaxText target serves training (features, logits); decoding uses the Tunix target")
+    last = config_of(model).num_hidden_layers - 1
+    by_id = model.layer_outputs(tokens_BT, (*layer_ids, last) if compute_logits else layer_ids)
+    by_id = {i: constrain_batch(x) for i, x in by_id.items()}
+    feats = jnp.concatenate([by_id[i] for i in layer_ids], axis=-1) if layer_ids else None
+    logits = None
+    if compute_logits:
+        x = by_id[last]
+        if logits_at is not None:
+            x = jnp.take_along_axis(x, jnp.asarray(logits_at, jnp.int32)[:, None, None], axis=1)[:, 0]
+        logits = lm_head(model, final_norm(model, x))
+    return TargetOutput(logits, feats, None)
 
 
 def validate_layer_ids(cfg: TargetConfig, layer_ids) -> tuple[int, ...]:

@@ -27,7 +27,7 @@ want="$(sha256sum "$root/pyproject.toml" | cut -d' ' -f1)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "[setup] installing dflash-jax and its dependencies into $venv (first time: ~3 min, ~2 GB)" >&2
   "$venv/bin/python" -m pip install -q --upgrade pip >&2
-  "$venv/bin/python" -m pip install -q -e "$root[dev]" >&2
+  "$venv/bin/python" -m pip install -q -e "$root[dev,maxtext]" >&2
   echo "$want" > "$stamp"
 fi
 echo "$venv/bin/python"

@@ -35,7 +35,7 @@ from dflash_model.drafter import (
 )
 from dflash_model.drafter_weights import export_drafter, load_drafter, zlab_config
 from dflash_model.files import RunLock
-from dflash_model.target import build_target, config_of, forward, randomize
+from dflash_model.target import build_target, config_of, forward, is_maxtext, randomize
 from dflash_model.tokenizer import load_tokenizer
 from dflash_model.weights import load_target
 from train.checkpointing import Checkpoints, trim_metrics
@@ -58,6 +58,15 @@ class TrainingDiverged(RuntimeError):
 def load_target_model(cfg, mesh=None):
     """(target module, tokenizer path or None) for cfg.target: real weights from a path, or a random preset."""
     t = cfg.target
+    if t.maxtext is not None:
+        if t.path is None:
+            raise ValueError(
+                "target.maxtext needs target.path: the HF directory whose config.json and tokenizer it has"
+            )
+        from dflash_model.maxtext_target import load_maxtext_target  # the optional maxtext extra
+
+        model = load_maxtext_target(t.path, t.maxtext, dtype=t.dtype, mesh=mesh, max_length=int(cfg.train.max_len))
+        return model, Path(t.path)
     if t.path is not None:
         path = t.path
         if isinstance(path, str) and path.startswith("asset:"):
@@ -237,7 +246,8 @@ class Trainer:
                 f"target's last layer, computed in the step), not {cfg.features.mode!r}"
             )
 
-        shd.shard_model(self.target, self.mesh)
+        if not is_maxtext(self.target):  # MaxText placed its parameters on the mesh as it loaded them
+            shd.shard_model(self.target, self.mesh)
         drafter = build_drafter(self.drafter_cfg, seed=int(cfg.seed))
         if cfg.drafter.init is not None:
             if cfg.drafter.init_logit_std is not None:
