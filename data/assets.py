@@ -16,7 +16,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_model.files import atomic_writer, sha256_file
+from dflash_model.files import atomic_writer, cache_root, sha256_file
 
 
 @dataclass(frozen=True)
@@ -87,11 +87,6 @@ def _intact(p: Path, size: int | None, sha256: str | None) -> bool:
         return False
     stamp.write_text(key + "\n")
     return True
-
-
-def cache_root() -> Path:
-    # Read at call time so tests and scripts can point DFLASH_CACHE elsewhere after import.
-    return Path(os.environ.get("DFLASH_CACHE") or Path.home() / ".cache" / "dflash-jax")
 
 
 def _download_wheel(package: str, version: str, dest: Path) -> Path:

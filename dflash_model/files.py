@@ -11,6 +11,7 @@ import fcntl
 import hashlib
 import json
 import os
+import shutil
 import socket
 import tempfile
 import time
@@ -96,3 +97,85 @@ class RunLock:
         if not self._f.closed:
             fcntl.flock(self._f.fileno(), fcntl.LOCK_UN)
             self._f.close()
+
+
+# -- Run directories on object storage (gs://, s3://, ...) --------------------------------------------------------
+# A run directory may be a URI. Orbax reads and writes checkpoints there itself (tensorstore); every other file of
+# the run (config.yml, metrics.jsonl, export/, eval/, profile/, tb/) is written to a local staging directory, whose
+# files `push` mirrors to the URI through etils.epath (object stores have no append, no rename and no flock, which
+# metrics.jsonl, the atomic writes and the run lock need), and from which `pull` restores them on a fresh host.
+
+STAGING_SKIP = ("checkpoints", "features", ".train.lock", ".pushed.json")  # features: a local memmap cache
+
+
+def is_uri(path) -> bool:
+    return "://" in str(path)
+
+
+def cache_root() -> Path:
+    # Read at call time so tests and scripts can point DFLASH_CACHE elsewhere after import.
+    return Path(os.environ.get("DFLASH_CACHE") or Path.home() / ".cache" / "dflash-jax")
+
+
+def local_dir(run_dir) -> Path:
+    """Where this host writes a run directory's files: run_dir itself, or for a URI its staging directory."""
+    if not is_uri(run_dir):
+        return Path(run_dir)
+    scheme, rest = str(run_dir).split("://", 1)
+    return cache_root() / "staging" / scheme / rest.strip("/")
+
+
+def _staged_files(local: Path):
+    for p in sorted(local.rglob("*")):
+        rel = p.relative_to(local)
+        if p.is_file() and rel.parts[0] not in STAGING_SKIP:
+            yield rel.as_posix(), p
+
+
+def push(run_dir) -> int:
+    """Copy the staging directory's new or changed files to the URI run_dir (a no-op for a local run_dir).
+    Returns how many files were copied."""
+    if not is_uri(run_dir):
+        return 0
+    from etils import epath
+
+    local, remote = local_dir(run_dir), epath.Path(str(run_dir))
+    manifest = local / ".pushed.json"
+    done = json.loads(manifest.read_text()) if manifest.exists() else {}
+    copied = 0
+    for rel, p in _staged_files(local):
+        st = p.stat()
+        stamp = [st.st_size, st.st_mtime_ns]
+        if done.get(rel) == stamp:
+            continue
+        dst = remote / rel
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        with p.open("rb") as src, dst.open("wb") as out:
+            shutil.copyfileobj(src, out, 1 << 20)
+        done[rel], copied = stamp, copied + 1
+    atomic_write_json(manifest, done)
+    return copied
+
+
+def pull(run_dir) -> int:
+    """Copy the URI run_dir's files that the staging directory lacks into it (a fresh host resuming a run; a no-op
+    for a local run_dir). Returns how many files were copied."""
+    if not is_uri(run_dir):
+        return 0
+    from etils import epath
+
+    local, remote = local_dir(run_dir), epath.Path(str(run_dir))
+    if not remote.exists():
+        return 0
+    copied, todo = 0, [(remote, ())]
+    while todo:  # by iterdir: epath refuses a recursive glob on object stores, and its walk drops the scheme
+        folder, rel = todo.pop()
+        for src in folder.iterdir():
+            if not rel and src.name in STAGING_SKIP:
+                continue
+            if src.is_dir():
+                todo.append((src, (*rel, src.name)))
+            elif not local.joinpath(*rel, src.name).exists():
+                atomic_write_bytes(local.joinpath(*rel, src.name), src.read_bytes())
+                copied += 1
+    return copied

@@ -15,8 +15,9 @@ from pathlib import Path
 
 import jax
 import orbax.checkpoint as ocp
+from etils import epath
 
-from dflash_model.files import atomic_write_text
+from dflash_model.files import atomic_write_text, is_uri
 
 log = logging.getLogger("dflash.train")
 
@@ -38,11 +39,12 @@ class Checkpoints:
         asynchronous: bool,
         lr_at: Callable[[int, int], float],
     ):
-        self.dir = Path(directory)
+        # epath: a gs:// directory stays a URI (Orbax and tensorstore write there themselves); local ones resolve.
+        self.dir = epath.Path(str(directory)) if is_uri(directory) else Path(directory).resolve()
         self.meta = meta
         self.lr_at = lr_at
         self.manager = ocp.CheckpointManager(
-            self.dir.resolve(),
+            self.dir,
             item_names=("state", "data", "meta"),
             options=ocp.CheckpointManagerOptions(
                 max_to_keep=max_to_keep, enable_async_checkpointing=asynchronous, create=True

@@ -26,7 +26,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from dflash_model import sharding as shd
-from dflash_model.files import atomic_write_text
+from dflash_model.files import atomic_write_text, is_uri
 from dflash_model.target import forward
 from train.objective import target_labels
 
@@ -71,6 +71,11 @@ def open_or_build(trainer, records, chunk: int = 8):
     same forward also computes the lm_head and stores the target's greedy next token at every position
     (train.objective.target_labels). Every process must call this (the build is a collective); process 0 writes."""
     cfg = trainer.cfg
+    if is_uri(cfg.features.cache_dir or ""):
+        raise ValueError(
+            f"features.cache_dir={cfg.features.cache_dir}: the feature cache is a memory-mapped array on local disk; "
+            "give it a local directory (null = <run_dir>/features, the staging directory of a URI run_dir)"
+        )
     root = Path(cfg.features.cache_dir) if cfg.features.cache_dir else trainer.run_dir / "features"
     want = _meta(trainer, records)
     meta_path, data_path = root / "meta.json", root / "features.npy"

@@ -109,7 +109,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     trainer = Trainer(cfg, target=target)
     if jax.process_index() == 0:  # like metrics.jsonl and the export: one writer in a multi-process run
-        atomic_write_text(Path(cfg.run_dir, "config.yml"), cfg.dump())
+        atomic_write_text(trainer.run_dir / "config.yml", cfg.dump())
+        trainer.push()
     left = trainer.total_steps - trainer.step
     what = cfg.target.path or f"random {cfg.target.preset}" + (" (arch overrides)" if cfg.target.arch else "")
     log.info(

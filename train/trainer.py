@@ -34,7 +34,7 @@ from dflash_model.drafter import (
     scale_output_norm,
 )
 from dflash_model.drafter_weights import export_drafter, load_drafter, zlab_config
-from dflash_model.files import RunLock
+from dflash_model.files import RunLock, is_uri, local_dir, pull, push
 from dflash_model.target import build_target, config_of, forward, is_maxtext, randomize
 from dflash_model.tokenizer import load_tokenizer
 from dflash_model.weights import load_target
@@ -218,8 +218,13 @@ class Trainer:
 
     def __init__(self, cfg, *, devices=None, target=None, records=None, restore: bool = True):
         self.cfg = cfg
-        self.run_dir = Path(cfg.run_dir)
+        # A URI run_dir (gs://bucket/run): checkpoints go there through Orbax, the other files through a local
+        # staging directory that `push` mirrors to it (dflash_model.files).
+        self.run_uri = str(cfg.run_dir)
+        self.run_dir = local_dir(cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if jax.process_index() == 0:
+            pull(self.run_uri)  # a fresh host resuming a URI run: its metrics.jsonl and config.yml come back first
         self.mesh = resolve_mesh(cfg, devices)
         n_batch = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
         if int(cfg.train.batch_size) % n_batch:
@@ -307,8 +312,12 @@ class Trainer:
         self._stop_signal = None
 
         ck = cfg.checkpoint
+        if ck.dir is not None:
+            ck_dir = ck.dir
+        else:
+            ck_dir = f"{self.run_uri.rstrip('/')}/checkpoints" if is_uri(self.run_uri) else self.run_dir / "checkpoints"
         self.checkpoints = Checkpoints(
-            Path(ck.dir) if ck.dir is not None else self.run_dir / "checkpoints",
+            ck_dir,
             meta=self._meta(),
             max_to_keep=ck.max_to_keep,
             asynchronous=bool(ck["async"]),
@@ -361,6 +370,12 @@ class Trainer:
 
     def save(self, force: bool = False) -> None:
         self.checkpoints.save(self.step, self.state, self.iterator.get_state(), force=force)
+        self.push()
+
+    def push(self) -> None:
+        """Mirror the staged run files to a URI run_dir (process 0; a no-op for a local run_dir)."""
+        if jax.process_index() == 0:
+            push(self.run_uri)
 
     # -- the step ------------------------------------------------------------------------------------------
 
@@ -496,6 +511,7 @@ class Trainer:
                 signal.signal(s, h)
             if tb is not None:
                 tb.close()
+            self.push()
         summary = {
             "step": self.step,
             "stopped_by": stopped,
@@ -520,7 +536,9 @@ class Trainer:
             drafter = nnx.merge(self.d_graph, params)
         else:
             drafter = self.drafter()
-        return export_drafter(drafter, drafter.config, self.run_dir / "export", dtype=self.cfg.export.dtype)
+        path = export_drafter(drafter, drafter.config, self.run_dir / "export", dtype=self.cfg.export.dtype)
+        self.push()
+        return path
 
     def _tensorboard(self):
         if not bool(self.cfg.log.tensorboard) or jax.process_index() != 0:

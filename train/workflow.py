@@ -22,6 +22,7 @@ from data.assets import cache_root
 from data.conversations import load_conversations
 from dflash_model import sharding as shd
 from dflash_model.files import atomic_write_text
+from dflash_model.target import is_maxtext
 from dflash_model.tokenizer import load_tokenizer, stop_token_ids
 from infer.eval import dataset_messages, encode, format_comparison, format_table, plot_comparison, run_comparison
 from infer.loading import dflash_draft, load_draft_spec
@@ -157,6 +158,10 @@ def end_of_run_eval(cfg, trainer, summary: dict, tokenizer, heldout: list[dict] 
     finished = trainer.step >= trainer.total_steps and summary["stopped_by"] is None
     if not bool(cfg.eval.enabled) or not finished:
         return None
+    if is_maxtext(trainer.target):
+        log.warning("the end-of-run eval decodes with the Tunix target, not MaxText's: run python -m infer.eval "
+                    "--target %s --draft <run_dir>/export", cfg.target.path)  # fmt: skip
+        return None
     export = Path(summary["export"]) if summary.get("export") else None
     many = jax.process_count() > 1
     if many and not bool(cfg.export.enabled):  # on every process: only process 0's summary names the export
@@ -165,7 +170,7 @@ def end_of_run_eval(cfg, trainer, summary: dict, tokenizer, heldout: list[dict] 
             "false: no eval (export it, then run python -m infer.eval)"
         )
         return None
-    prior = Path(cfg.run_dir, "eval", "eval.json")
+    prior = trainer.run_dir / "eval" / "eval.json"
     # Process 0's file system decides, so every process takes the same path through the collectives.
     if shd.process0_decides(_same_eval(prior, cfg, trainer.step)):
         if jax.process_index() == 0:
@@ -263,7 +268,7 @@ def final_eval(cfg, trainer, tokenizer, rows: list[dict], export_dir: Path | Non
         stop_ids=tuple(stop_token_ids(tokenizer)) if tokenizer is not None else (),
         ids=ids,
     )
-    out = Path(cfg.run_dir) / "eval"
+    out = trainer.run_dir / "eval"
     out.mkdir(parents=True, exist_ok=True)
     summary = {
         "prompts": str(e.prompts),
@@ -289,5 +294,6 @@ def final_eval(cfg, trainer, tokenizer, rows: list[dict], export_dir: Path | Non
     atomic_write_text(out / "table.md", table + "\n\n" + format_table(reports["dflash"]) + "\n")
     atomic_write_text(out / "eval.json", json.dumps(summary, indent=1))
     print(table, flush=True)
+    trainer.push()
     log.info("eval written to %s (eval.json, table.md, acceptance.png) in %.1f min", out, summary["wall_s"] / 60)
     return summary
