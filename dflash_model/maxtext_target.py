@@ -109,9 +109,11 @@ def maxtext_config(tcfg: TargetConfig, *, checkpoint: str | Path | None = None, 
     return pyconfig.initialize(["", base], **keys)
 
 
-def checkpoint_items(path: str | Path) -> Path:
+def checkpoint_items(path: str | Path):
     """The Orbax `items` directory of a MaxText parameter checkpoint, given it or the conversion's output dir."""
-    p = Path(path)
+    from etils import epath  # a gs:// checkpoint stays a URI (pathlib would make it a local "gs:" directory)
+
+    p = epath.Path(str(path))
     for cand in (p, p / "items", p / "0" / "items"):
         if (cand / "_METADATA").exists():
             return cand
