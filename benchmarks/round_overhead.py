@@ -7,6 +7,11 @@ without it, on the same prompts, in one process.
 
 Without `observe` the drafter keeps its prefill context (its drafts get worse, the output stays lossless), so the
 difference between the two per-round times is what extend_context costs inside the loop.
+
+With a tree draft (`--draft tree:DIR`) it also times, alone at the decode's shapes, what a DDTree round adds to a
+chain round: the drafter's top tokens per position (`propose_top`) against its greedy chain, the best-first tree
+build, the target forward with the tree mask against a sequential one over as many tokens, the walk and the
+cache move (`KVCache.keep_path`).
 """
 
 from __future__ import annotations
@@ -21,7 +26,65 @@ from pathlib import Path
 
 from infer.eval import _timed_decode, _warm, dataset_messages, encode
 from infer.loading import load_draft_spec, load_target_spec
-from infer.spec import Engine
+from infer.spec import Engine, _loop_ms
+from infer.tree import build_tree, walk_tree
+
+
+def tree_parts(engine, proposer, params, st, reps: int = 10) -> dict:
+    """ms of each piece of a DDTree round, each alone in a jitted loop of `reps` (see `_loop_ms`)."""
+    import jax
+    import jax.numpy as jnp
+
+    from dflash_model.target import forward
+
+    nodes, top = engine.static["tree"]
+    k, b = engine.static["k"], st.n.shape[0]
+    last_B = jnp.take_along_axis(st.history, (st.n - 1)[:, None], axis=1)[:, 0]
+    tokens, logp = proposer.propose_top(params, engine.target, st.draft, st.history, st.n, k, top)
+    tr = build_tree(tokens, logp, nodes)
+    node_tok = jnp.where(tr.valid, tr.token, 0).at[:, 0].set(last_B)
+
+    def looped(step):  # step(i, acc) -> acc: i varies so nothing is hoisted out of the loop
+        return jax.jit(lambda r: jax.lax.fori_loop(0, r, step, jnp.float32(0)))
+
+    def drafting(fn):  # the last token varies with i
+        return lambda i, acc: acc + jnp.sum(fn(st.history.at[jnp.arange(b), st.n - 1].add(i))).astype(jnp.float32)
+
+    chain = lambda h: proposer.propose(params, engine.target, st.draft, h, st.n, k)
+    topk = lambda h: proposer.propose_top(params, engine.target, st.draft, h, st.n, k, top)[1]
+
+    def verify(tree):
+        def step(i, acc):
+            out = forward(engine.target, node_tok + i, st.cache, layer_ids=proposer.layer_ids, tree=tree)
+            return acc + out.logits[0, 0, 0] + out.cache.k[0, 0, 0, 0, 0]
+
+        return step
+
+    def build(i, acc):
+        t = build_tree(tokens, logp + i.astype(jnp.float32) * 1e-9, nodes)
+        return acc + jnp.sum(t.token) + jnp.sum(t.visible)
+
+    def walk(i, acc):
+        path, a = walk_tree((node_tok + i) % 7, tr, k - 1)
+        return acc + jnp.sum(path) + jnp.sum(a)
+
+    path, _ = walk_tree(node_tok, tr, k - 1)
+    grown = forward(engine.target, node_tok, st.cache, layer_ids=proposer.layer_ids, tree=(tr.depth, tr.visible))
+
+    def move(i, acc):
+        c = grown.cache.keep_path(st.cache.lengths, (path + i) % nodes)
+        return acc + c.k[0, 0, 0, 0, 0]
+
+    parts = {
+        "draft chain (propose)": drafting(chain),
+        f"draft top-{top} (propose_top)": drafting(topk),
+        "tree build": build,
+        f"verify {nodes + 1} tokens, causal": verify(None),
+        f"verify {nodes + 1} nodes, tree mask": verify((tr.depth, tr.visible)),
+        "walk": walk,
+        "cache keep_path": move,
+    }
+    return {name: _loop_ms(looped(step), reps) for name, step in parts.items()}
 
 
 def main(argv=None) -> dict:
@@ -71,6 +134,11 @@ def main(argv=None) -> dict:
             + ", ".join(f"{r / alone:.2f}" for r in rounds_ms),
             flush=True,
         )
+    if engine.static["tree"]:
+        st = engine._prefill(*engine.inputs([prompts[0]]), engine.costs)
+        out["tree_parts_ms"] = tree_parts(engine, draft.proposer, draft.params, st)
+        for name, ms in out["tree_parts_ms"].items():
+            print(f"  {name:32s} {ms:7.2f} ms", flush=True)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=1))
     return out
