@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from data import assets
 from dflash_model.cli import run_main
-from dflash_model.files import atomic_write_text
+from dflash_model.files import atomic_write_text, local_dir, push
 from dflash_model.tokenizer import chat_prompt_ids, stop_token_ids
 from infer.loading import NGRAM_BLOCK, at_least, check_prompt_ids, load_draft_spec, load_target_spec
 from infer.plain import bucket_length
@@ -505,7 +505,7 @@ def main(argv=None) -> dict:
     stop_ids = ()
     if target.tokenizer is not None:
         stop_ids = stop_token_ids(target.tokenizer)
-    out = Path(args.out)
+    out = local_dir(args.out)  # a gs:// --out is written here, then mirrored there (dflash_model.files.push)
     out.mkdir(parents=True, exist_ok=True)
     reports = run_comparison(
         target.model,
@@ -541,7 +541,8 @@ def main(argv=None) -> dict:
     table += f"\n\n{format_flips(flips)}" if flips else ""
     atomic_write_text(out / "table.md", table + "\n")
     print(table)
-    print(f"wrote {out / 'eval.json'}, {out / 'table.md'} and {out / 'acceptance.png'}")
+    push(args.out)
+    print(f"wrote {args.out.rstrip('/')}/eval.json, table.md and acceptance.png")
     return rep
 
 

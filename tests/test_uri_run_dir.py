@@ -96,3 +96,16 @@ def test_uri_run_trains_mirrors_and_resumes_on_a_fresh_host(bucket, tmp_path, mo
     more.train()
     assert len((remote / "metrics.jsonl").read_text().splitlines()) == 6
     assert pull("gs://bucket/run") == 0  # nothing left that the staging directory lacks
+
+
+def test_eval_out_on_object_storage(bucket, tmp_path):
+    from infer import eval as ev
+    from tests.conftest import FIXTURES
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("\n".join(json.dumps({"id": f"p{i}", "prompt_ids": list(range(5 + i, 30))}) for i in range(2)))
+    argv = ["--target", str(FIXTURES / "tiny_qwen3"), "--draft", "ngram", "--block", "4", "--dataset", str(data)]
+    ev.main([*argv, "--max-new-tokens", "8", "--out", "gs://bucket/eval", "--no-progress"])
+    saved = json.loads((bucket / "eval" / "eval.json").read_text())
+    assert saved["prompts"] == 2 and saved["lossless_mismatches"] == 0
+    assert (bucket / "eval" / "table.md").exists() and (bucket / "eval" / "acceptance.png").exists()
