@@ -117,6 +117,11 @@ def cache_root() -> Path:
     return Path(os.environ.get("DFLASH_CACHE") or Path.home() / ".cache" / "dflash-jax")
 
 
+def run_path(run_dir, name: str) -> str:
+    """`name` inside run_dir, a local path or a URI (pathlib would turn gs://b into gs:/b)."""
+    return f"{str(run_dir).rstrip('/')}/{name}"
+
+
 def local_dir(run_dir) -> Path:
     """Where this host writes a run directory's files: run_dir itself, or for a URI its staging directory."""
     if not is_uri(run_dir):

@@ -84,7 +84,7 @@ def maxtext_overrides(tcfg: TargetConfig) -> dict:
     return keys
 
 
-def maxtext_config(tcfg: TargetConfig, *, checkpoint: str | Path | None = None, max_length: int = 2048, **extra):
+def maxtext_config(tcfg: TargetConfig, *, checkpoint: str | Path | None = None, max_length: int = 2048):
     """MaxText's HyperParameters for `tcfg` (fp32 or bf16 as tcfg.dtype), loading `checkpoint` if given."""
     _require_maxtext()
     from maxtext.configs import pyconfig
@@ -105,7 +105,6 @@ def maxtext_config(tcfg: TargetConfig, *, checkpoint: str | Path | None = None, 
     )
     if jax.default_backend() == "cpu":
         keys["hardware"] = "cpu"
-    keys.update(extra)
     return pyconfig.initialize(["", base], **keys)
 
 
@@ -136,8 +135,7 @@ class MaxTextTarget(nnx.Module):
         return self.transformer.token_embedder.embedding[...]
 
     def output_weight_DV(self):
-        if self.target_config.tie_word_embeddings:
-            return self.embedding_table().T
+        """The untied lm_head (dflash_model.target.lm_head_weight serves tied models from the embedding)."""
         return self.transformer.decoder.logits_dense.kernel[...]
 
     def final_norm_scale(self):
@@ -208,7 +206,8 @@ def convert(hf_dir: str | Path, out_dir: str | Path, *, dtype: str = "bfloat16")
     tcfg = load_hf_config(hf_dir)
     keys = maxtext_overrides(tcfg)
     name = keys["model_name"]
-    # The converter maps tensors with a named model's HF config; give it this checkpoint's own.
+    # The converter maps tensors with a named model's HF config; give it this checkpoint's own (for this call).
+    named_config = to_maxtext.HF_MODEL_CONFIGS[name]
     to_maxtext.HF_MODEL_CONFIGS[name] = transformers.AutoConfig.from_pretrained(str(hf_dir))
     save = to_maxtext.save_weights_to_checkpoint
     # maxtext 0.2.5's lazy loader registers its LazyTensor with Orbax's v0 type handlers only, while the save
@@ -224,6 +223,7 @@ def convert(hf_dir: str | Path, out_dir: str | Path, *, dtype: str = "bfloat16")
                         simulated_cpu_devices_count=1)  # fmt: skip
     finally:
         to_maxtext.save_weights_to_checkpoint = save
+        to_maxtext.HF_MODEL_CONFIGS[name] = named_config
     return checkpoint_items(out_dir)
 
 

@@ -150,11 +150,9 @@ def lm_head(model: nnx.Module, hidden_BTD):
 
 def lm_head_weight(model: nnx.Module):
     """The [D, V] output projection (tied models use the embedding table)."""
-    if is_maxtext(model):
-        return model.output_weight_DV()
     if config_of(model).tie_word_embeddings:
-        return model.embedder.input_embedding[...].T
-    return model.lm_head.w[...]
+        return embedding_table(model).T
+    return model.output_weight_DV() if is_maxtext(model) else model.lm_head.w[...]
 
 
 def final_norm(model: nnx.Module, hidden):

@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from data import assets
 from dflash_model.cli import run_main
-from dflash_model.files import atomic_write_text, local_dir, push
+from dflash_model.files import atomic_write_text, local_dir, push, run_path
 from dflash_model.tokenizer import chat_prompt_ids, stop_token_ids
 from infer.loading import NGRAM_BLOCK, at_least, check_prompt_ids, load_draft_spec, load_target_spec
 from infer.plain import bucket_length
@@ -542,7 +542,7 @@ def main(argv=None) -> dict:
     atomic_write_text(out / "table.md", table + "\n")
     print(table)
     push(args.out)
-    print(f"wrote {args.out.rstrip('/')}/eval.json, table.md and acceptance.png")
+    print(f"wrote {run_path(args.out, 'eval.json')}, table.md and acceptance.png")
     return rep
 
 

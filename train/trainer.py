@@ -34,7 +34,7 @@ from dflash_model.drafter import (
     scale_output_norm,
 )
 from dflash_model.drafter_weights import export_drafter, load_drafter, zlab_config
-from dflash_model.files import RunLock, is_uri, local_dir, pull, push
+from dflash_model.files import RunLock, local_dir, pull, push, run_path
 from dflash_model.target import build_target, config_of, forward, is_maxtext, randomize
 from dflash_model.tokenizer import load_tokenizer
 from dflash_model.weights import load_target
@@ -312,12 +312,8 @@ class Trainer:
         self._stop_signal = None
 
         ck = cfg.checkpoint
-        if ck.dir is not None:
-            ck_dir = ck.dir
-        else:
-            ck_dir = f"{self.run_uri.rstrip('/')}/checkpoints" if is_uri(self.run_uri) else self.run_dir / "checkpoints"
         self.checkpoints = Checkpoints(
-            ck_dir,
+            ck.dir if ck.dir is not None else run_path(self.run_uri, "checkpoints"),
             meta=self._meta(),
             max_to_keep=ck.max_to_keep,
             asynchronous=bool(ck["async"]),

@@ -18,10 +18,9 @@ import jax
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from data.assets import cache_root
 from data.conversations import load_conversations
 from dflash_model import sharding as shd
-from dflash_model.files import atomic_write_text
+from dflash_model.files import atomic_write_text, cache_root, run_path
 from dflash_model.target import is_maxtext
 from dflash_model.tokenizer import load_tokenizer, stop_token_ids
 from infer.eval import dataset_messages, encode, format_comparison, format_table, plot_comparison, run_comparison
@@ -120,10 +119,10 @@ def announce_start(cfg, *, regen_todo: int = 0) -> None:
     steps = cfg.train.steps if cfg.train.steps is not None else f"{cfg.train.epochs} epochs of"
     parts.append(
         f"train a K={cfg.block_size} drafter for {steps} steps of {cfg.train.batch_size} sequences, "
-        f"checkpointing to {cfg.checkpoint.dir or Path(cfg.run_dir) / 'checkpoints'}"
+        f"checkpointing to {cfg.checkpoint.dir or run_path(cfg.run_dir, 'checkpoints')}"
     )
     if bool(cfg.export.enabled):
-        parts.append(f"export it in the z-lab format to {Path(cfg.run_dir) / 'export'}")
+        parts.append(f"export it in the z-lab format to {run_path(cfg.run_dir, 'export')}")
     if bool(cfg.eval.enabled):
         e = cfg.eval
         mins = int(e.num_prompts) * int(e.max_new_tokens) * EVAL_S_PER_PROMPT_TOKEN / 60
