@@ -144,6 +144,11 @@ def embed(model: nnx.Module, tokens_BT):
 
 def lm_head(model: nnx.Module, hidden_BTD):
     """Logits in fp32 from final-normed hidden states (tied models use the embedding table)."""
+    if config_of(model).tie_word_embeddings:
+        # Contract with the [V, D] table as stored, not its transpose: on XLA:CPU the transposed form made a
+        # one-token step (plain decoding) copy the whole table every call (docs/results/decoding/README.md).
+        table_VD = embedding_table(model)
+        return jnp.einsum("...D,VD->...V", hidden_BTD, table_VD.astype(hidden_BTD.dtype)).astype(jnp.float32)
     w_DV = lm_head_weight(model)
     return jnp.einsum("...D,DV->...V", hidden_BTD, w_DV.astype(hidden_BTD.dtype)).astype(jnp.float32)
 
