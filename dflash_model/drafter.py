@@ -544,14 +544,22 @@ def draft_logits(drafter: Drafter, target_model: nnx.Module, cache: DraftCache, 
     return lm_head(target_model, _draft_hidden(drafter, target_model, cache, block_tokens_BK))
 
 
-def propose(drafter: Drafter, target_model: nnx.Module, cache: DraftCache, last_token_B, block_size: int):
+def propose(
+    drafter: Drafter, target_model: nnx.Module, cache: DraftCache, last_token_B, block_size: int, vocab_ids_U=None
+):
     """[B, K-1] int32 greedy proposals: argmax at positions 1..K-1 of the block [last, MASK x (K-1)].
     `block_size` (static) may differ from the size the drafter was trained at."""
-    return propose_scored(drafter, target_model, cache, last_token_B, block_size)[0]
+    return propose_scored(drafter, target_model, cache, last_token_B, block_size, vocab_ids_U)[0]
 
 
-def block_logits(drafter: Drafter, target_model: nnx.Module, cache: DraftCache, last_token_B, block_size: int):
-    """[B, K-1, V] fp32 logits of the drafter at positions 1..K-1 of the block [last, MASK x (K-1)]."""
+def block_logits(
+    drafter: Drafter, target_model: nnx.Module, cache: DraftCache, last_token_B, block_size: int, vocab_ids_U=None
+):
+    """[B, K-1, V] fp32 logits of the drafter at positions 1..K-1 of the block [last, MASK x (K-1)].
+
+    vocab_ids_U: the draft vocabulary the drafter was trained on (FR-Spec; `train.trainer.draft_vocabulary`):
+    logits over those U tokens only, [B, K-1, U], index u standing for token vocab_ids_U[u]. It is what the
+    training loss saw, and the lm_head then reads U rows instead of V (SmolLM2: 8,192 of 49,152)."""
     if block_size < 2:
         raise ValueError(f"block_size={block_size}: need at least 2 (the last token and one proposal)")
     b = last_token_B.shape[0]
@@ -559,24 +567,40 @@ def block_logits(drafter: Drafter, target_model: nnx.Module, cache: DraftCache, 
     block = jnp.concatenate([jnp.asarray(last_token_B, jnp.int32)[:, None], mask], axis=1)
     hidden = _draft_hidden(drafter, target_model, cache, block)
     # Slot 0 only carries the last token; its logits are never used, so the lm_head skips it.
-    return lm_head(target_model, hidden[:, 1:])
+    return lm_head(target_model, hidden[:, 1:], vocab_ids_U)
 
 
-def propose_scored(drafter: Drafter, target_model: nnx.Module, cache: DraftCache, last_token_B, block_size: int):
+def _token_ids(index, vocab_ids_U):
+    """Token ids of logit indices: themselves over the full vocabulary, vocab_ids_U[index] over a draft one."""
+    index = index.astype(jnp.int32)
+    return index if vocab_ids_U is None else jnp.take(jnp.asarray(vocab_ids_U, jnp.int32), index)
+
+
+def propose_scored(
+    drafter: Drafter, target_model: nnx.Module, cache: DraftCache, last_token_B, block_size: int, vocab_ids_U=None
+):
     """([B, K-1] int32 greedy proposals, [B, K-1] fp32 the drafter's probability of each): `propose` plus the
     confidence an adaptive verify width is chosen from (the drafter's marginal at each position)."""
-    logits = block_logits(drafter, target_model, cache, last_token_B, block_size)
-    tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = block_logits(drafter, target_model, cache, last_token_B, block_size, vocab_ids_U)
+    tokens = _token_ids(jnp.argmax(logits, axis=-1), vocab_ids_U)
     prob = jnp.exp(jnp.max(logits, axis=-1) - jax.nn.logsumexp(logits, axis=-1))
     return tokens, prob
 
 
-def propose_top(drafter: Drafter, target_model: nnx.Module, cache: DraftCache, last_token_B, block_size: int, top: int):
+def propose_top(
+    drafter: Drafter,
+    target_model: nnx.Module,
+    cache: DraftCache,
+    last_token_B,
+    block_size: int,
+    top: int,
+    vocab_ids_U=None,
+):
     """([B, K-1, top] int32 the `top` likeliest tokens at each block position, best first, [B, K-1, top] fp32
     their log-probabilities): what a draft tree is built from."""
-    logits = block_logits(drafter, target_model, cache, last_token_B, block_size)
-    best, tokens = jax.lax.top_k(logits, top)
-    return tokens.astype(jnp.int32), best - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+    logits = block_logits(drafter, target_model, cache, last_token_B, block_size, vocab_ids_U)
+    best, index = jax.lax.top_k(logits, top)
+    return _token_ids(index, vocab_ids_U), best - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
 
 
 # ----------------------------------------------------------------------------------------------------------

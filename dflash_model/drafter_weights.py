@@ -9,6 +9,7 @@ first tensor is read, so a mismatch is an error naming it and never a half-loade
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -246,14 +247,26 @@ def load_drafter(
     return cfg, drafter
 
 
-def export_drafter(drafter: Drafter, cfg: DrafterConfig, out_dir: str | Path, dtype: str = "bfloat16") -> Path:
-    """Write config.json + model.safetensors in z-lab's format, tensors cast to `dtype`."""
+# The draft vocabulary a drafter was trained on, beside its z-lab files. The z-lab format has no field for one, so
+# servers ignore the file and use the full lm_head; this project's decoder reads it (infer.loading).
+DRAFT_VOCAB_FILE = "draft_vocab.json"
+
+
+def export_drafter(
+    drafter: Drafter, cfg: DrafterConfig, out_dir: str | Path, dtype: str = "bfloat16", draft_vocab=None
+) -> Path:
+    """Write config.json + model.safetensors in z-lab's format, tensors cast to `dtype`; and draft_vocab.json
+    when `draft_vocab` (the token ids of a reduced-vocabulary training loss, most frequent first) is given."""
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype={dtype!r}: export writes 'float32' or 'bfloat16'")
     if cfg.replace(dtype=drafter.config.dtype) != drafter.config:
         raise ValueError("cfg describes a different architecture than the drafter being exported")
     out_cfg = cfg.replace(dtype=dtype)
     out = Path(out_dir)
+    vocab_file = out / DRAFT_VOCAB_FILE
+    ids = None if draft_vocab is None else [int(i) for i in jax.device_get(draft_vocab)]
+    if ids is not None:
+        _check_draft_vocab(ids, cfg.vocab_size, str(vocab_file))
     out.mkdir(parents=True, exist_ok=True)
     params = {path: p for path, p in nnx.iter_graph(drafter) if isinstance(p, nnx.Param)}
     jdtype = jnp_dtype(dtype)
@@ -264,7 +277,36 @@ def export_drafter(drafter: Drafter, cfg: DrafterConfig, out_dir: str | Path, dt
     # format=pt: transformers' safetensors loader (z-lab's reference path) expects torch-format metadata.
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     atomic_write_json(out / "config.json", zlab_config(out_cfg))
+    if ids is None:
+        vocab_file.unlink(missing_ok=True)  # a stale one from an earlier export must not outlive its weights
+    else:
+        atomic_write_json(
+            vocab_file, {"about": "token ids of the draft vocabulary the training loss used", "token_ids": ids}, None
+        )
     return out
+
+
+def load_draft_vocab(model_dir: str | Path, vocab_size: int) -> tuple[int, ...] | None:
+    """The draft vocabulary saved beside a drafter (draft_vocab.json), or None when it has none."""
+    path = Path(model_dir) / DRAFT_VOCAB_FILE
+    if not path.is_file():
+        return None
+    try:
+        ids = json.loads(path.read_text())["token_ids"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ConfigError(f"{path}: expected a JSON object with a 'token_ids' list ({e})") from None
+    _check_draft_vocab(ids, vocab_size, str(path))
+    return tuple(int(i) for i in ids)
+
+
+def _check_draft_vocab(ids, vocab_size: int, source: str) -> None:
+    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ConfigError(f"{source}: token_ids must be a non-empty list of integers")
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise ConfigError(f"{source}: token id {bad[0]} is outside the vocabulary 0..{vocab_size - 1}")
+    if len(set(ids)) != len(ids):
+        raise ConfigError(f"{source}: token_ids repeats a token")
 
 
 # Keys vLLM / SGLang read from a DFlash draft config (besides dflash_config), with the type each must have.

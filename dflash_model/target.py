@@ -142,14 +142,19 @@ def embed(model: nnx.Module, tokens_BT):
     return jnp.take(table, tokens_BT, axis=0).astype(jnp_dtype(config_of(model).dtype))
 
 
-def lm_head(model: nnx.Module, hidden_BTD):
-    """Logits in fp32 from final-normed hidden states (tied models use the embedding table)."""
+def lm_head(model: nnx.Module, hidden_BTD, vocab_ids_U=None):
+    """Logits in fp32 from final-normed hidden states (tied models use the embedding table). vocab_ids_U: only
+    those tokens' logits, [..., U] in that order (a drafter served with its draft vocabulary)."""
     if config_of(model).tie_word_embeddings:
         # Contract with the [V, D] table as stored, not its transpose: on XLA:CPU the transposed form made a
         # one-token step (plain decoding) copy the whole table every call (docs/results/decoding/README.md).
         table_VD = embedding_table(model)
+        if vocab_ids_U is not None:
+            table_VD = jnp.take(table_VD, vocab_ids_U, axis=0)
         return jnp.einsum("...D,VD->...V", hidden_BTD, table_VD.astype(hidden_BTD.dtype)).astype(jnp.float32)
     w_DV = lm_head_weight(model)
+    if vocab_ids_U is not None:
+        w_DV = jnp.take(w_DV, vocab_ids_U, axis=1)
     return jnp.einsum("...D,DV->...V", hidden_BTD, w_DV.astype(hidden_BTD.dtype)).astype(jnp.float32)
 
 

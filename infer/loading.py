@@ -130,15 +130,21 @@ def load_draft_spec(
         if not Path(spec).is_dir():
             raise ValueError(f"--draft {spec!r}: expected none, ngram, random, a drafter directory or hybrid:DIR")
         cfg, drafter = drafter_weights.load_drafter(spec, target_cfg, dtype=dtype)
-    return dflash_draft("random" if spec == "random" else "dflash", drafter, cfg, block, zero_features=zero_features)
+        vocab = drafter_weights.load_draft_vocab(spec, cfg.vocab_size)
+        return dflash_draft("dflash", drafter, cfg, block, zero_features=zero_features, vocab=vocab)
+    return dflash_draft("random", drafter, cfg, block, zero_features=zero_features)
 
 
-def dflash_draft(name: str, drafter, cfg, block: int | None = None, *, zero_features: bool = False) -> Draft:
-    """A DFlash drafter module as a Draft, at K = `block` (default: its trained K; 2..trained K allowed)."""
+def dflash_draft(
+    name: str, drafter, cfg, block: int | None = None, *, zero_features: bool = False, vocab=None
+) -> Draft:
+    """A DFlash drafter module as a Draft, at K = `block` (default: its trained K; 2..trained K allowed); `vocab`
+    its draft vocabulary (token ids), if it was trained on one."""
     k = block or cfg.block_size
     if not 2 <= k <= cfg.block_size:
         raise ValueError(f"--block {k}: this drafter was trained with K={cfg.block_size}; use 2..{cfg.block_size}")
-    return Draft(name, proposers.DFlashProposer(cfg, zero_features=zero_features), drafter, k)
+    proposer = proposers.DFlashProposer(cfg, zero_features=zero_features, vocab=vocab)
+    return Draft(name, proposer, drafter, k)
 
 
 _SHAPE_FIELDS = (

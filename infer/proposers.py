@@ -165,6 +165,10 @@ class DFlashProposer:
     config: Any  # DrafterConfig (frozen, hashable)
     name: str = "dflash"
     zero_features: bool = False  # ablation: the drafter sees zeros where the target features go (as trained)
+    # The draft vocabulary it was trained on (its directory's draft_vocab.json): proposals come from those tokens
+    # only, and the lm_head reads only their rows. None: the whole vocabulary. A tuple, so the proposer stays a
+    # hashable static argument of the decode jit; it enters the program as a constant.
+    vocab: tuple[int, ...] | None = None
 
     @property
     def layer_ids(self) -> tuple[int, ...]:
@@ -183,7 +187,7 @@ class DFlashProposer:
     def propose_scored(self, params, target, state, history_BC, n_B, k):
         if k > self.config.block_size:
             raise ValueError(f"block size {k} is larger than the drafter's trained K={self.config.block_size}")
-        tokens, prob = propose_scored(params, target, state, last_tokens(history_BC, n_B), k)
+        tokens, prob = propose_scored(params, target, state, last_tokens(history_BC, n_B), k, self._vocab_ids())
         b = tokens.shape[0]
         return Proposal(tokens.astype(jnp.int32), prob, jnp.full((b,), DRAFTER, jnp.int32), jnp.bool_(True))
 
@@ -191,7 +195,10 @@ class DFlashProposer:
         """([B, K-1, top] the drafter's `top` likeliest tokens per position, [B, K-1, top] their log-probs)."""
         if k > self.config.block_size:
             raise ValueError(f"block size {k} is larger than the drafter's trained K={self.config.block_size}")
-        return propose_top(params, target, state, last_tokens(history_BC, n_B), k, top)
+        return propose_top(params, target, state, last_tokens(history_BC, n_B), k, top, self._vocab_ids())
+
+    def _vocab_ids(self):
+        return None if self.vocab is None else jnp.asarray(self.vocab, jnp.int32)
 
 
 @dataclasses.dataclass(frozen=True)

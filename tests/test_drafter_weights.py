@@ -17,6 +17,7 @@ from dflash_model.drafter import DrafterConfig, build_drafter, drafter_preset
 from dflash_model.drafter_weights import (
     check_zlab_schema,
     export_drafter,
+    load_draft_vocab,
     load_drafter,
     parse_zlab_config,
     zlab_config,
@@ -143,6 +144,33 @@ def test_fp32_drafter_exported_as_bf16_loads_as_rounded_values(exported, tmp_pat
     for path in want:
         rounded = want[path].astype(ml_dtypes.bfloat16).astype(np.float32)
         np.testing.assert_array_equal(got[path], rounded, err_msg=str(path))
+
+
+def test_draft_vocabulary_travels_beside_the_zlab_files(tmp_path):
+    """export(draft_vocab=ids) writes draft_vocab.json, which loads back as the same ids in order and leaves the
+    z-lab schema untouched; an export without one removes a stale file; a broken file is refused by name."""
+    from dflash_model.drafter_weights import DRAFT_VOCAB_FILE
+
+    drafter = _drafter(seed=2)
+    ids = np.asarray([5, 3, 120, 0, 64], np.int32)
+    out = export_drafter(drafter, CFG, tmp_path / "v", dtype="float32", draft_vocab=ids)
+    assert load_draft_vocab(out, CFG.vocab_size) == (5, 3, 120, 0, 64)
+    assert check_zlab_schema(out) == []
+    again = export_drafter(drafter, CFG, out, dtype="float32")
+    assert not (again / DRAFT_VOCAB_FILE).exists() and load_draft_vocab(again, CFG.vocab_size) is None
+    for bad, why in (
+        ({"token_ids": [1, 128]}, "token id 128 is outside the vocabulary 0..127"),
+        ({"token_ids": [1, 2, 1]}, "repeats a token"),
+        ({"token_ids": []}, "non-empty list of integers"),
+        ({"ids": [1]}, "'token_ids' list"),
+    ):
+        (out / DRAFT_VOCAB_FILE).write_text(json.dumps(bad))
+        with pytest.raises(ConfigError, match=re.escape(why)) as e:
+            load_draft_vocab(out, CFG.vocab_size)
+        assert DRAFT_VOCAB_FILE in str(e.value)
+    with pytest.raises(ConfigError, match="outside the vocabulary"):
+        export_drafter(drafter, CFG, tmp_path / "w", draft_vocab=[0, 500])
+    assert not (tmp_path / "w" / "model.safetensors").exists()  # refused before anything is written
 
 
 def _rewrite(src, dst, tensors=None, config=None):

@@ -204,6 +204,41 @@ def test_greedy_dflash_equals_plain_greedy(family, k, batch_one):
         assert engine.generate(prompts[1:])[0].tokens == ref[1]
 
 
+def test_draft_vocabulary_proposals_are_the_full_logits_restricted_to_it():
+    """A drafter served with a draft vocabulary proposes, at every position, the argmax (and the top-3 in order)
+    of its full-vocabulary logits over those tokens only, with the softmax over them as its confidence; a tree
+    and a chain decode with it are lossless (batch 2)."""
+    from dflash_model.drafter import block_logits
+
+    family, k = "qwen3", 8
+    target = _target(family)
+    cfg, drafter = _tiny_drafter(family)
+    prompts = _prompts(seed=2)
+    # The drafter's context after a prefill of row 0's prompt.
+    tokens = jnp.asarray([prompts[0]], jnp.int32)
+    feats = forward(target, tokens, layer_ids=cfg.target_layer_ids).features
+    state = extend_context(drafter, DraftCache.init(cfg, 1, 64), feats, jnp.asarray([tokens.shape[1]], jnp.int32))
+    history = jnp.zeros((1, 64), jnp.int32).at[0, : tokens.shape[1]].set(tokens[0])
+    n = jnp.asarray([tokens.shape[1]], jnp.int32)
+    full = np.asarray(block_logits(drafter, target, state, tokens[:, -1], k))[0]  # [K-1, V]
+    vocab = tuple(int(i) for i in np.random.default_rng(0).permutation(cfg.vocab_size)[:40])
+    sub = full[:, list(vocab)]
+    proposer = DFlashProposer(cfg, vocab=vocab)
+    prop = proposer.propose_scored(drafter, target, state, history, n, k)
+    np.testing.assert_array_equal(np.asarray(prop.tokens)[0], np.asarray(vocab)[sub.argmax(-1)])
+    assert not np.array_equal(np.asarray(prop.tokens)[0], full.argmax(-1))  # the restriction changed something
+    softmax = np.exp(sub - sub.max(-1, keepdims=True))
+    np.testing.assert_allclose(np.asarray(prop.prob)[0], 1 / softmax.sum(-1), rtol=1e-5)
+    top, logp = proposer.propose_top(drafter, target, state, history, n, k, 3)
+    np.testing.assert_array_equal(np.asarray(top)[0], np.asarray(vocab)[np.argsort(-sub, axis=-1)[:, :3]])
+    assert np.all(np.diff(np.asarray(logp)[0], axis=-1) <= 0)
+
+    ref = _plain(family, prompts)
+    for tree in (None, 6):
+        engine = Engine(target, proposer, drafter, block_size=k, max_new_tokens=MAX_NEW, tree_nodes=tree)
+        assert [g.tokens for g in engine.generate(prompts)] == ref
+
+
 def test_drafter_context_tracks_the_committed_tokens_only():
     """After decoding with varied acceptance, the drafter's context cache has exactly the target cache's
     length (the true committed count, not the verified block) and holds the same K/V as a drafter context

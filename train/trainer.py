@@ -532,7 +532,9 @@ class Trainer:
             drafter = nnx.merge(self.d_graph, params)
         else:
             drafter = self.drafter()
-        path = export_drafter(drafter, drafter.config, self.run_dir / "export", dtype=self.cfg.export.dtype)
+        path = export_drafter(
+            drafter, drafter.config, self.run_dir / "export", dtype=self.cfg.export.dtype, draft_vocab=self.vocab_ids
+        )
         self.push()
         return path
 

@@ -233,7 +233,8 @@ def final_eval(cfg, trainer, tokenizer, rows: list[dict], export_dir: Path | Non
         dflash = load_draft_spec(str(export_dir), target_cfg, block, dtype=target_cfg.dtype, zero_features=zero)
     else:
         drafter = trainer.drafter()
-        dflash = dflash_draft("dflash", drafter, drafter.config, block, zero_features=zero)
+        vocab = None if trainer.vocab_ids is None else tuple(int(i) for i in jax.device_get(trainer.vocab_ids))
+        dflash = dflash_draft("dflash", drafter, drafter.config, block, zero_features=zero, vocab=vocab)
     drafts = [dflash]
     if e.shipped is not None:
         shipped = Path(e.shipped)
