@@ -441,7 +441,7 @@ def parse_args(argv=None):
         "--draft",
         action="append",
         help="none | ngram | random | a drafter directory | hybrid:SPEC | adaptive:SPEC | tree:DIR (or treeN:DIR, "
-        "a draft tree of N nodes), optionally SPEC@K; "
+        "a draft tree of N nodes) | fullvocab:DIR (ignore the directory's draft_vocab.json), optionally SPEC@K; "
         "repeat to compare several in one interleaved run (one plain baseline)",
     )
     ap.add_argument(

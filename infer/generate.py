@@ -29,7 +29,8 @@ def parse_args(argv=None):
         "--draft",
         default="none",
         help="drafter directory, none, ngram, random, hybrid:SPEC (n-gram where it matches, else the drafter) or "
-        "adaptive:SPEC (verify a width chosen per round from measured costs)",
+        "adaptive:SPEC (verify a width chosen per round from measured costs), tree:DIR (a draft tree) or "
+        "fullvocab:DIR (ignore the directory's draft_vocab.json)",
     )
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")

@@ -94,7 +94,8 @@ def load_draft_spec(
     DFlash); 'adaptive:' before any but none verifies a width chosen per round. dtype: a directory's compute
     dtype (default: as saved); zero_features: the features.zero ablation (the drafter sees zeros instead of
     target features). 'tree:DIR' (or 'treeN:DIR', N nodes; default TREE_NODES) verifies a draft tree built from
-    the drafter's per-position distributions (DDTree) instead of its greedy block."""
+    the drafter's per-position distributions (DDTree) instead of its greedy block. A directory's draft_vocab.json
+    (the draft vocabulary it was trained on) restricts its proposals to those tokens; 'fullvocab:DIR' ignores it."""
     tree = re.match(r"tree(\d*):(.*)", spec)
     if tree:
         inner = load_draft_spec(tree[2], target_cfg, block, seed, dtype=dtype, zero_features=zero_features)
@@ -104,6 +105,15 @@ def load_draft_spec(
         if nodes < 1:
             raise ValueError(f"--draft {spec!r}: a tree needs at least 1 node")
         return dataclasses.replace(inner, name=f"tree{nodes}-{inner.name}", tree_nodes=nodes)
+    if spec.startswith("fullvocab:"):
+        # The drafter over the whole vocabulary, ignoring its draft_vocab.json (what a z-lab server does).
+        inner = load_draft_spec(
+            spec.split(":", 1)[1], target_cfg, block, seed, dtype=dtype, zero_features=zero_features
+        )
+        if not isinstance(inner.proposer, proposers.DFlashProposer):
+            raise ValueError(f"--draft {spec!r}: fullvocab: applies to a DFlash drafter directory")
+        proposer = dataclasses.replace(inner.proposer, vocab=None)
+        return dataclasses.replace(inner, name=f"fullvocab-{inner.name}", proposer=proposer)
     if spec.startswith("adaptive:"):
         inner = load_draft_spec(
             spec.split(":", 1)[1], target_cfg, block, seed, dtype=dtype, zero_features=zero_features

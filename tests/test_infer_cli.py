@@ -179,6 +179,23 @@ def test_smollm2_ngram_equals_plain_greedy(smollm2):
     assert all(w == 17 for g in tree for w in g.verify_widths)
 
 
+def test_shipped_drafter_loads_with_its_draft_vocabulary_unless_fullvocab():
+    """A drafter directory's draft_vocab.json restricts its proposer; 'fullvocab:DIR' (and the hybrid, tree and
+    adaptive specs around either) keep or drop it as written; fullvocab: of anything but a directory is refused."""
+    from dflash_model.config import PRESETS
+
+    cfg = PRESETS["smollm2-135m"]
+    shipped = str(REPO / "drafters" / "smollm2-135m-dflash")
+    vocab = json.loads((REPO / "drafters" / "smollm2-135m-dflash" / "draft_vocab.json").read_text())["token_ids"]
+    assert load_draft_spec(shipped, cfg).proposer.vocab == tuple(vocab) and len(vocab) == 8192
+    assert load_draft_spec("tree:" + shipped, cfg).proposer.vocab == tuple(vocab)
+    full = load_draft_spec("fullvocab:" + shipped, cfg)
+    assert full.proposer.vocab is None and full.name == "fullvocab-dflash"
+    assert load_draft_spec("hybrid:fullvocab:" + shipped, cfg).proposer.dflash.vocab is None
+    with pytest.raises(ValueError, match="fullvocab: applies to a DFlash drafter directory"):
+        load_draft_spec("fullvocab:ngram", cfg)
+
+
 @pytest.mark.parametrize("bad", ["999999", "-1"])
 def test_out_of_vocabulary_prompt_ids_are_refused(bad, tmp_path):
     """An id outside 0..V-1 would embed as NaN (or wrap) and let target and drafter agree on garbage: both CLIs
