@@ -112,9 +112,10 @@ def test_eval_compares_adaptive_and_fixed_with_repeats(tmp_path):
     widths = [w for p in rep["adaptive-ngram"]["per_prompt"] for w in p["verify_widths"]]
     assert set(widths) <= {1, 2, 4} and rep["adaptive-ngram"]["costs_ms"]["adaptive-ngram"]["widths"] == [1, 2, 4]
     assert rep["ngram"]["mean_verify_width"] == 4.0
-    # One calibration per target, width and shape: both engines chose from the same width-4 cost.
+    # One calibration per target, width and shape: both engines chose from the same width-4 cost (its value is a
+    # timing: >= 0, 0 when the machine's noise swallows a tiny model's forward).
     fixed, adaptive = rep["ngram"]["costs_ms"]["ngram"], rep["adaptive-ngram"]["costs_ms"]["adaptive-ngram"]
-    assert fixed["verify_ms_measured"][0] == adaptive["verify_ms_measured"][2] > 0
+    assert fixed["verify_ms_measured"][0] == adaptive["verify_ms_measured"][2] >= 0
     assert "| adaptive-ngram | 4 |" in (out / "table.md").read_text()
     assert ev.compare_specs("D") == [
         "ngram@8",
