@@ -96,9 +96,13 @@ def load_draft_spec(
     target features). 'tree:DIR' (or 'treeN:DIR', N nodes; default TREE_NODES) verifies a draft tree built from
     the drafter's per-position distributions (DDTree) instead of its greedy block. A directory's draft_vocab.json
     (the draft vocabulary it was trained on) restricts its proposals to those tokens; 'fullvocab:DIR' ignores it."""
+
+    def load_inner(inner_spec: str) -> Draft:  # the spec a prefix wraps, with this call's options
+        return load_draft_spec(inner_spec, target_cfg, block, seed, dtype=dtype, zero_features=zero_features)
+
     tree = re.match(r"tree(\d*):(.*)", spec)
     if tree:
-        inner = load_draft_spec(tree[2], target_cfg, block, seed, dtype=dtype, zero_features=zero_features)
+        inner = load_inner(tree[2])
         if not hasattr(inner.proposer, "propose_top"):
             raise ValueError(f"--draft {spec!r}: a draft tree needs a DFlash drafter (a directory or random)")
         nodes = int(tree[1] or TREE_NODES)
@@ -107,17 +111,13 @@ def load_draft_spec(
         return dataclasses.replace(inner, name=f"tree{nodes}-{inner.name}", tree_nodes=nodes)
     if spec.startswith("fullvocab:"):
         # The drafter over the whole vocabulary, ignoring its draft_vocab.json (what a z-lab server does).
-        inner = load_draft_spec(
-            spec.split(":", 1)[1], target_cfg, block, seed, dtype=dtype, zero_features=zero_features
-        )
+        inner = load_inner(spec.split(":", 1)[1])
         if not isinstance(inner.proposer, proposers.DFlashProposer):
             raise ValueError(f"--draft {spec!r}: fullvocab: applies to a DFlash drafter directory")
         proposer = dataclasses.replace(inner.proposer, vocab=None)
         return dataclasses.replace(inner, name=f"fullvocab-{inner.name}", proposer=proposer)
     if spec.startswith("adaptive:"):
-        inner = load_draft_spec(
-            spec.split(":", 1)[1], target_cfg, block, seed, dtype=dtype, zero_features=zero_features
-        )
+        inner = load_inner(spec.split(":", 1)[1])
         if inner.block_size < 2:
             raise ValueError(f"--draft {spec!r}: plain decoding has no width to choose")
         return dataclasses.replace(inner, name=f"adaptive-{inner.name}", adaptive=True)
@@ -130,9 +130,7 @@ def load_draft_spec(
         return Draft("ngram", proposers.NGramProposer(), None, k)
     if spec.startswith("hybrid:"):
         # Prompt lookup where the context has a match, this drafter's block elsewhere (proposers.HybridProposer).
-        inner = load_draft_spec(
-            spec.split(":", 1)[1], target_cfg, block, seed, dtype=dtype, zero_features=zero_features
-        )
+        inner = load_inner(spec.split(":", 1)[1])
         return dataclasses.replace(inner, name="hybrid", proposer=proposers.HybridProposer(inner.proposer))
     if spec == "random":
         cfg, drafter = random_drafter(target_cfg, seed=seed)
