@@ -37,6 +37,7 @@ from dflash_model.layers import (
     MASK_VALUE,
     apply_rope,
     map_in_chunks,
+    out_projection,
     rms_norm,
     rope_angles,
     rope_inv_freq,
@@ -492,7 +493,7 @@ def _run_blocks(drafter: Drafter, x_BNKD, mask_pos_BNK, rope_pos_BNK, ctx_kv, kv
             ctx_mask,
             blk_mask,
         )
-        x = x + jnp.einsum("BNKQH,QHD->BNKD", o, attn.o_proj[...].astype(o.dtype))
+        x = x + out_projection(o, attn.o_proj[...])
         h = rms_norm(x, layer.post_attention_layernorm[...], eps)
         mlp = layer.mlp
         x = constrain_batch(x + swiglu(h, mlp.gate_proj[...], mlp.up_proj[...], mlp.down_proj[...]))

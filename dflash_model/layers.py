@@ -109,6 +109,18 @@ def _attend(q_BTQH, k_BSGH, v_BSGH, mask_BTS):
     return out.reshape(b, t, n, h)
 
 
+def out_projection(o_XQH, w_QHD):
+    """The attention output projection [..., Q, H] x [Q, H, D] -> [..., D], as one matmul over the Q*H features.
+
+    Written as einsum("...QH,QHD->...D"), XLA:CPU put the two contracted dims of the weight in the attention
+    output's order (H before Q) and so copied the whole [Q, H, D] weight, transposed, in every layer of every
+    decode step (`tests/test_target.py` checks the compiled step). Flattened, the weight is used as stored.
+    """
+    q, h, d = w_QHD.shape
+    o_XF = o_XQH.reshape(*o_XQH.shape[:-2], q * h)
+    return jnp.einsum("...F,FD->...D", o_XF, w_QHD.reshape(q * h, d).astype(o_XQH.dtype))
+
+
 def swiglu(x_BTD, gate_DM, up_DM, down_MD):
     return (jax.nn.silu(x_BTD @ gate_DM.astype(x_BTD.dtype)) * (x_BTD @ up_DM.astype(x_BTD.dtype))) @ down_MD.astype(
         x_BTD.dtype

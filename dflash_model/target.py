@@ -24,7 +24,7 @@ from tunix.models.llama3 import model as llama3
 from tunix.models.qwen3 import model as qwen3
 
 from dflash_model.config import TargetConfig, jnp_dtype
-from dflash_model.layers import apply_rope, attend, rms_norm, rope_angles, rope_inv_freq, swiglu
+from dflash_model.layers import apply_rope, attend, out_projection, rms_norm, rope_angles, rope_inv_freq, swiglu
 from dflash_model.sharding import constrain_batch
 
 # The init scale of a randomly initialised target (tests, tiny configs, random presets): logits O(1) at depth.
@@ -257,7 +257,7 @@ def forward(
                 cache_v = write_rows(cache_v, i, v, positions_BT)
                 k, v = cache_k[i], cache_v[i]
             o = attend(q, k.astype(q.dtype), v.astype(q.dtype), mask_BTS)
-            x = x + jnp.einsum("BTQH,QHD->BTD", o, attn.o_proj.w[...].astype(o.dtype))
+            x = x + out_projection(o, attn.o_proj.w[...])
             h = rms_norm(x, layer.post_attention_layernorm.w[...], eps)
             mlp = layer.mlp
             x = x + swiglu(h, mlp.gate_proj.kernel[...], mlp.up_proj.kernel[...], mlp.down_proj.kernel[...])

@@ -63,6 +63,30 @@ def test_one_token_step_reads_the_tied_embedding_in_place():
     assert not [line.strip()[:120] for line in hlo.splitlines() if table.search(line)]
 
 
+def test_one_token_step_reads_every_layer_weight_in_place():
+    """A one-token step copies no layer weight. The attention output projection, written as one einsum over
+    (heads, head_dim), made XLA:CPU copy its [Q, H, D] weight transposed in every layer of every step: 6.5 of
+    SmolLM2's 34 ms plain step (docs/results/decoding/README.md)."""
+    import itertools
+    import re
+
+    for family in ("qwen3", "llama"):
+        model = tiny_target(family)
+        cfg = model.target_config
+        step = jax.jit(lambda m, t, c: forward(m, t, c).logits)
+        hlo = step.lower(model, _tokens(1, 1), KVCache.init(cfg, 1, 64)).compile().as_text()
+        layer = model.layers[0]
+        shapes = {tuple(layer.attn.o_proj.w.shape)}
+        q, h, d = layer.attn.o_proj.w.shape
+        shapes.add((q * h, d))
+        shapes |= {tuple(w.shape) for w in (layer.mlp.gate_proj.kernel, layer.mlp.up_proj.kernel)}
+        shapes |= {tuple(w.shape) for w in (layer.mlp.down_proj.kernel, layer.attn.q_proj.w)}
+        dims = {",".join(map(str, p)) for shape in shapes for p in itertools.permutations(shape)}
+        copied = re.compile(r"= f32\[([0-9,]+)\]\S* (copy|transpose)\(")
+        hits = [line.strip()[:120] for line in hlo.splitlines() if (m := copied.search(line)) and m.group(1) in dims]
+        assert not hits, (family, hits)
+
+
 def test_rows_at_different_lengths():
     """Each row keeps its own length: a batch with rows at different positions equals the rows run alone."""
     model = tiny_target("qwen3")
