@@ -39,6 +39,7 @@ from dflash_model.target import build_target, config_of, forward, is_maxtext, ra
 from dflash_model.tokenizer import load_tokenizer
 from dflash_model.weights import load_target
 from train.checkpointing import Checkpoints, trim_metrics
+from train.copy_init import fit_copy_circuit
 from train.data import build_train_dataset
 from train.features import open_or_build
 from train.objective import gamma_of
@@ -253,22 +254,6 @@ class Trainer:
 
         if not is_maxtext(self.target):  # MaxText placed its parameters on the mesh as it loaded them
             shd.shard_model(self.target, self.mesh)
-        drafter = build_drafter(self.drafter_cfg, seed=int(cfg.seed))
-        if cfg.drafter.init is not None:
-            if cfg.drafter.init_logit_std is not None:
-                raise ValueError(
-                    f"drafter.init={cfg.drafter.init} and drafter.init_logit_std both set: an initialised drafter "
-                    "keeps its own output norm"
-                )
-            if cfg.drafter.init == "target":
-                drafter = copy_target_layers(drafter, self.target)
-            else:
-                init_weights(drafter, self.drafter_cfg, cfg.drafter.init, self.target_cfg)
-        elif cfg.drafter.init_logit_std is not None:
-            drafter = scale_output_norm(drafter, self.target, float(cfg.drafter.init_logit_std))
-        drafter = shd.shard_model(drafter, self.mesh)
-        self.d_graph, params = nnx.split(drafter)
-        self.t_graph, self.t_state = nnx.split(self.target)
 
         tokenizer = None
         if records is None and cfg.data.source == "regenerate":
@@ -286,6 +271,24 @@ class Trainer:
             records=records,
         )
         check_token_ids(records, self.target_cfg.vocab_size, cfg)
+        drafter = build_drafter(self.drafter_cfg, seed=int(cfg.seed))
+        if cfg.drafter.init is not None:
+            if cfg.drafter.init_logit_std is not None:
+                raise ValueError(
+                    f"drafter.init={cfg.drafter.init} and drafter.init_logit_std both set: an initialised drafter "
+                    "keeps its own output norm"
+                )
+            if cfg.drafter.init == "target":
+                drafter = copy_target_layers(drafter, self.target)
+            elif cfg.drafter.init == "copy":
+                drafter = fit_copy_circuit(drafter, self.target, [records[i]["input_ids"] for i in range(len(records))])
+            else:
+                init_weights(drafter, self.drafter_cfg, cfg.drafter.init, self.target_cfg)
+        elif cfg.drafter.init_logit_std is not None:
+            drafter = scale_output_norm(drafter, self.target, float(cfg.drafter.init_logit_std))
+        drafter = shd.shard_model(drafter, self.mesh)
+        self.d_graph, params = nnx.split(drafter)
+        self.t_graph, self.t_state = nnx.split(self.target)
         self.target_labels = cfg.data.labels == "target"
         self.features = self.labels = None
         if cfg.features.mode == "offline":

@@ -1,0 +1,222 @@
+"""Start a drafter as an in-context copy circuit, fitted by least squares on the target's own features
+(`drafter.init: copy`). No public DFlash trainer initialises its drafter this way; written by hand because no
+library builds attention circuits from data.
+
+What n-gram drafting exploits, and what a random-init drafter takes ~10^5 blocks to learn (docs/lab-notes.md,
+`copy16`), is copying: if the block's first token x_a occurred before at p, propose what followed it there. On
+the default run's replies, "the successor of x_a's latest earlier occurrence" is right for a third of the
+slot-1 labels. The circuit, with two draft layers:
+
+  layer 0, a sliding layer with window 2 and near-zero scores (every query averages itself and the slot before):
+    slot 1 picks up a whitened code of slot 0's token (v_proj), written by o_proj into a subspace S_q of the
+    residual that the mask token's embedding does not touch;
+  layer 1, full attention: slot 1's query reads S_q; every context key is a code of the context token x_p,
+    fitted by ridge regression from the target features at p; queries and keys live in the RoPE pairs that
+    rotate least (so the match ignores distance) and q_norm / k_norm set how sharp the match is. The value at p
+    is a rank-(kv heads x head_dim) code of the target's final-normed hidden state at p (the state whose lm_head
+    row scores are the target's next-token logits there, so its argmax is x_{p+1} on the target's own text),
+    again fitted by ridge regression from the features; o_proj writes it back in the target's hidden basis.
+  Both MLPs start near zero, and the final norm carries the target's typical final-hidden scale.
+
+Every fitted map goes into the z-lab tensors (fc, q/k/v/o_proj, norms): the checkpoint format is unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_model.config import ConfigError
+from dflash_model.drafter import Drafter, check_pairing
+from dflash_model.layers import rope_inv_freq
+from dflash_model.target import config_of, embedding_table, final_norm, forward, is_maxtext
+
+log = logging.getLogger(__name__)
+
+
+def _rms(x: np.ndarray) -> np.ndarray:
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + 1e-6)
+
+
+def _ridge(x: np.ndarray, y: np.ndarray, lam: float) -> np.ndarray:
+    return np.linalg.solve(x.T @ x + lam * np.eye(x.shape[1]), x.T @ y)
+
+
+def slow_rope_dims(head_dim: int, rope_theta: float, rope_scaling, max_distance: int, max_angle: float = 0.5):
+    """Indices of the head dims whose RoPE pair turns by at most `max_angle` radians over `max_distance`
+    positions (rotate-half layout: pair i is dims i and i + head_dim/2): there a q.k score is nearly the same at
+    any distance, so it can match content."""
+    inv = np.asarray(rope_inv_freq(head_dim, rope_theta, rope_scaling))
+    slow = np.nonzero(inv * max_distance <= max_angle)[0]
+    return np.concatenate([slow, slow + head_dim // 2])
+
+
+def collect(target_model, rows, layer_ids, max_rows: int):
+    """Per row: token ids [T], the concatenated features [T, F] and the target's final-normed hidden [T, D]."""
+    last = config_of(target_model).num_hidden_layers - 1
+    fwd = jax.jit(lambda ids: forward(target_model, ids, layer_ids=(*layer_ids, last), compute_logits=False))
+    rows = rows[:max_rows]
+    width = max(len(r) for r in rows)  # one compiled shape: causal attention leaves the padded tail unseen
+    out = []
+    for ids in rows:
+        padded = np.zeros(width, np.int32)
+        padded[: len(ids)] = ids
+        f = fwd(jnp.asarray(padded)[None]).features[0, : len(ids)]
+        d = f.shape[-1] // (len(layer_ids) + 1)
+        out.append(
+            (
+                np.asarray(ids),
+                np.asarray(f[:, :-d], np.float32),
+                np.asarray(final_norm(target_model, f[:, -d:]), np.float32),
+            )
+        )
+    return out
+
+
+def fit_copy_circuit(
+    drafter: Drafter,
+    target_model,
+    rows: list[np.ndarray],
+    *,
+    max_rows: int = 48,
+    sharpness: float = 16.0,
+    ridge: float = 10.0,
+    query_scale: float = 1.0,
+    value_scale: float = 32.0,
+    seed: int = 0,
+) -> Drafter:
+    """Set every drafter weight to the copy circuit (module docstring), fitted on `rows` (token id arrays).
+
+    sharpness: the q.k score of a perfect match (before the softmax). query_scale / value_scale: RMS of the
+    query code and of the copied value in the residual, relative to the mask embedding's.
+    """
+    cfg, tcfg = drafter.config, config_of(target_model)
+    check_pairing(cfg, tcfg)
+    if is_maxtext(target_model):
+        raise ConfigError("drafter.init=copy reads the Tunix target's embedding: not available with target.maxtext")
+    if cfg.num_hidden_layers != 2 or cfg.layer_types != ("sliding_attention", "full_attention"):
+        raise ConfigError(
+            "drafter.init=copy builds a two-layer circuit: set drafter.num_layers=2, "
+            "drafter.layer_types=[sliding_attention, full_attention], drafter.sliding_window=2 "
+            f"(got {cfg.num_hidden_layers} layers, layer_types={cfg.layer_types})"
+        )
+    if cfg.sliding_window != 2:
+        raise ConfigError(f"drafter.init=copy needs drafter.sliding_window=2 (got {cfg.sliding_window})")
+    d, nq, g, h = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    per_group = nq // g
+    lengths = [len(r) for r in rows[:max_rows]]
+    slow = slow_rope_dims(h, cfg.rope_theta, cfg.rope_scaling, max(lengths))
+    r = len(slow)  # key code dims per kv head
+    if r < 8:
+        raise ConfigError(f"drafter.init=copy: only {r} RoPE dims turn slowly enough over {max(lengths)} positions")
+
+    data = collect(target_model, rows, cfg.target_layer_ids, max_rows)
+    ids = np.concatenate([x[0][1:] for x in data])  # position 0 (BOS-like, outsized features) is left out
+    feats = np.concatenate([_rms(x[1][1:]) for x in data])
+    final = np.concatenate([x[2][1:] for x in data])
+
+    # Token codes: whitened principal directions of the (rms-normed) embeddings of the tokens in the data, with
+    # the mean embedding and the mask token's projected out, so the mask codes to 0 and every code is centred.
+    emb = np.asarray(embedding_table(target_model), np.float32)
+    e_hat = _rms(emb)
+    seen = np.unique(ids)
+    fixed = np.linalg.qr(np.stack([e_hat[seen].mean(0), e_hat[cfg.mask_token_id]], 1))[0]  # [D, 2]
+    centred = (e_hat[seen] - e_hat[seen].mean(0)) @ (np.eye(d) - fixed @ fixed.T)
+    _, s, vt = np.linalg.svd(centred, full_matrices=False)
+    code = vt[: g * r] / s[: g * r, None] * np.sqrt(len(seen))  # [g*r, D]: unit variance per code dim
+    code = code @ (np.eye(d) - fixed @ fixed.T)
+
+    # Residual / context directions, least used by embeddings first: keys (D_k), the query subspace (S_q) and
+    # values (D_v) do not overlap, and block slots (embeddings) barely reach the key and value directions.
+    energy = e_hat[seen].T @ e_hat[seen] + np.outer(e_hat[cfg.mask_token_id], e_hat[cfg.mask_token_id])
+    _, basis = np.linalg.eigh(energy)  # ascending
+    nv = g * h
+    if 2 * g * r + nv > d:
+        raise ConfigError(f"drafter.init=copy: {2 * g * r + nv} circuit dims do not fit hidden_size={d}")
+    dk, sq, dv = basis[:, : g * r].T, basis[:, g * r : 2 * g * r].T, basis[:, 2 * g * r : 2 * g * r + nv].T
+
+    # Fitted maps from the (rms-normed) features: key = code of the token at p; value = the target's
+    # final-normed hidden at p, kept to its top nv principal directions of the fit.
+    w_key = _ridge(feats, e_hat[ids] @ code.T, ridge)  # [F, g*r]
+    w_val = _ridge(feats, final, ridge)  # [F, D]
+    _, _, pv = np.linalg.svd(feats @ w_val, full_matrices=False)
+    val_basis = pv[:nv]  # [nv, D]
+    w_val = w_val @ val_basis.T  # [F, nv]
+    key_fit = np.mean(np.sum((feats @ w_key) * (e_hat[ids] @ code.T), -1)) / np.mean(
+        np.sum((e_hat[ids] @ code.T) ** 2, -1)
+    )
+    log.info("copy init: %d rows, %d positions, %d key dims per kv head, key fit %.2f", len(data), len(ids), r, key_fit)
+
+    # fc writes [key code ; value code] into D_k / D_v. hidden_norm then scales the context to unit RMS; the two
+    # parts keep their ratio, and k_norm renormalises keys anyway.
+    key_part = feats @ w_key
+    val_part = feats @ w_val
+    ratio = np.sqrt(np.mean(key_part**2) / np.mean(val_part**2))
+    fc = w_key @ dk + ratio * (w_val @ dv)  # raw features in: fc is linear, so rms-normed fits keep their direction
+
+    mask_rms = float(np.sqrt(np.mean(emb[cfg.mask_token_id] ** 2)))
+    final_rms = float(np.sqrt(np.mean(final**2)))
+    layer0, layer1 = drafter.layers
+    f32 = lambda a: jnp.asarray(a, jnp.float32)
+    put = lambda param, value: param.set_value(f32(value).astype(param.get_value().dtype))
+
+    # Layer 0: uniform over (slot before, itself) (q/k below); v = token code, o writes it into S_q.
+    v0 = np.zeros((d, g, h))
+    o0 = np.zeros((nq, h, d))
+    # A code vector has RMS 1 per dim after whitening; the attention halves it (mask slot codes to 0).
+    q_gain = 2.0 * query_scale * mask_rms * np.sqrt(d / (g * r)) / per_group
+    for j in range(g):
+        v0[:, j, :r] = code[j * r : (j + 1) * r].T
+        for i in range(per_group):
+            o0[j * per_group + i, :r] = q_gain * sq[j * r : (j + 1) * r]
+    put(layer0.self_attn.v_proj, v0)
+    put(layer0.self_attn.o_proj, o0)
+
+    # Layer 1: query from S_q, keys from D_k, both in the slow RoPE dims; values from D_v.
+    q1 = np.zeros((d, nq, h))
+    k1 = np.zeros((d, g, h))
+    v1 = np.zeros((d, g, h))
+    o1 = np.zeros((nq, h, d))
+    for j in range(g):
+        k1[:, j, slow] = dk[j * r : (j + 1) * r].T
+        v1[:, j, :] = dv[j * h : (j + 1) * h].T
+        for i in range(per_group):
+            q1[:, j * per_group + i, slow] = sq[j * r : (j + 1) * r].T
+            o1[j * per_group + i] = val_basis[j * h : (j + 1) * h] / per_group
+    # q_norm / k_norm give unit RMS over head_dim with r of h dims nonzero: q.k = h * cos * w^2, scaled 1/sqrt(h).
+    w = np.sqrt(sharpness / np.sqrt(h))
+    norm_w = np.ones(h)
+    norm_w[slow] = w
+    put(layer1.self_attn.q_proj, q1)
+    put(layer1.self_attn.k_proj, k1)
+    put(layer1.self_attn.v_proj, v1)
+    # hidden_norm divides the context by ctx_rms (per dim); the copied vector (nv value dims written back into
+    # D dims) then has RMS val_rms / ctx_rms * sqrt(nv / D): scale it to value_scale x the mask embedding's.
+    val_rms = np.sqrt(np.mean((val_part * ratio) ** 2))
+    ctx_rms = np.sqrt(np.mean(key_part**2) * g * r / d + np.mean((val_part * ratio) ** 2) * nv / d)
+    o_gain = value_scale * mask_rms * ctx_rms / max(val_rms, 1e-9) * np.sqrt(d / nv)
+    put(layer1.self_attn.o_proj, o1 * o_gain)
+    # What the circuit does not use starts small but not zero, so it can learn (a zero MLP or a zero q and k get
+    # no gradient): layer 0's q/k random with q_norm / k_norm 0.1 (scores ~0.1 x cos: still uniform over the two
+    # keys), the MLPs random with a down_proj 10x smaller than HF's init (outputs ~1% of the residual).
+    rng = np.random.default_rng(seed)
+    small = lambda shape, std: std * rng.standard_normal(shape)
+    put(layer0.self_attn.q_proj, small((d, nq, h), 0.02))
+    put(layer0.self_attn.k_proj, small((d, g, h), 0.02))
+    put(layer0.self_attn.q_norm, np.full(h, 0.1))
+    put(layer0.self_attn.k_norm, np.full(h, 0.1))
+    put(layer1.self_attn.q_norm, norm_w)
+    put(layer1.self_attn.k_norm, norm_w)
+    for layer in (layer0, layer1):
+        put(layer.input_layernorm, np.ones(d))
+        put(layer.post_attention_layernorm, np.ones(d))
+        put(layer.mlp.gate_proj, small(layer.mlp.gate_proj.get_value().shape, 0.02))
+        put(layer.mlp.up_proj, small(layer.mlp.up_proj.get_value().shape, 0.02))
+        put(layer.mlp.down_proj, small(layer.mlp.down_proj.get_value().shape, 0.002))
+    put(drafter.fc, fc)
+    put(drafter.hidden_norm, np.ones(d))
+    put(drafter.norm, np.full(d, final_rms))
+    return drafter
