@@ -26,15 +26,16 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from data.conversations import tokenize_conversation  # noqa: E402
-from dflash_model.drafter import build_drafter, drafter_config_for, train_logits  # noqa: E402
+from dflash_model.drafter import build_drafter, train_logits  # noqa: E402
 from dflash_model.drafter_weights import load_drafter  # noqa: E402
 from dflash_model.target import embedding_table, forward  # noqa: E402
 from infer.loading import load_target_spec  # noqa: E402
 from train.config import load_config, parse_value  # noqa: E402
 from train.copy_init import fit_copy_circuit  # noqa: E402
+from train.trainer import drafter_config  # noqa: E402
 from train.workflow import regenerated_path  # noqa: E402
 
-MAX_LEN, BLOCK, ANCHORS = 384, 64, 128
+MAX_LEN, ANCHORS = 384, 128
 
 
 def slot_accuracy(drafter, target, rows, vocab) -> list[float]:
@@ -54,7 +55,7 @@ def slot_accuracy(drafter, target, rows, vocab) -> list[float]:
             feats(jnp.asarray(padded)[None]),
             jnp.asarray(padded)[None],
             jnp.asarray(padded_anchors)[None],
-            BLOCK,
+            drafter.config.block_size,
             hidden_only=True,
         )[0, : len(anchors), 1:4]
         proposals = vocab[np.einsum("nkd,vd->nkv", np.asarray(hidden, np.float32), lm_rows).argmax(-1)]
@@ -92,6 +93,7 @@ def main(argv=None) -> list[dict]:
     counts = collections.Counter(np.concatenate([r["input_ids"][r["loss_mask"]] for r in rows[: args.score_from]]))
     vocab = np.array([t for t, _ in counts.most_common(int(cfg.draft_vocab))], np.int32)
 
+    dcfg = drafter_config(cfg, target.config)  # the default run's drafter: copy-circuit layers, K=64
     results = []
     if args.drafter:
         _, drafter = load_drafter(args.drafter, target.config, dtype="float32")
@@ -99,14 +101,11 @@ def main(argv=None) -> list[dict]:
     for spec in [] if args.drafter else args.setting or [""]:
         kw = dict(item.split("=", 1) for item in spec.split(",") if item)
         kw = {k: parse_value(v) for k, v in kw.items()}
-        dcfg = drafter_config_for(
-            target.config, mask_token_id=int(cfg.drafter.mask_token_id), num_layers=2, block_size=BLOCK
-        ).replace(layer_types=("sliding_attention", "full_attention"), sliding_window=2)
         drafter = fit_copy_circuit(build_drafter(dcfg), target.model, [r["input_ids"] for r in fit_rows], **kw)
         results.append({"setting": kw, "acc_1_2_3": slot_accuracy(drafter, target, score_rows, vocab)})
     print(
         f"fit on the first max_rows (default 48) of rows 1-{len(fit_rows)}, scored on rows "
-        f"{args.score_from + 1}-{len(rows)}, training forward, K={BLOCK}"
+        f"{args.score_from + 1}-{len(rows)}, training forward, K={dcfg.block_size}"
     )
     print("| start | slot 1 | slot 2 | slot 3 |\n|---|---:|---:|---:|")
     for r in results:

@@ -36,6 +36,8 @@ from dflash_model.target import config_of, embedding_table, final_norm, forward,
 
 log = logging.getLogger(__name__)
 
+FIT_ROWS = 48  # training rows the fit reads by default (~40 s of target forwards on 2 cores)
+
 
 def _rms(x: np.ndarray) -> np.ndarray:
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + 1e-6)
@@ -54,11 +56,10 @@ def slow_rope_dims(head_dim: int, rope_theta: float, rope_scaling, max_distance:
     return np.concatenate([slow, slow + head_dim // 2])
 
 
-def collect(target_model, rows, layer_ids, max_rows: int):
+def collect(target_model, rows, layer_ids):
     """Per row: token ids [T], the concatenated features [T, F] and the target's final-normed hidden [T, D]."""
     last = config_of(target_model).num_hidden_layers - 1
     fwd = jax.jit(lambda ids: forward(target_model, ids, layer_ids=(*layer_ids, last), compute_logits=False))
-    rows = rows[:max_rows]
     width = max(len(r) for r in rows)  # one compiled shape: causal attention leaves the padded tail unseen
     out = []
     for ids in rows:
@@ -81,14 +82,15 @@ def fit_copy_circuit(
     target_model,
     rows: list[np.ndarray],
     *,
-    max_rows: int = 48,
+    max_rows: int = FIT_ROWS,
     sharpness: float = 16.0,
     ridge: float = 10.0,
     query_scale: float = 1.0,
     value_scale: float = 32.0,
     seed: int = 0,
 ) -> Drafter:
-    """Set every drafter weight to the copy circuit (module docstring), fitted on `rows` (token id arrays).
+    """Set every drafter weight to the copy circuit (module docstring), fitted on the first `max_rows` of `rows`
+    (token id arrays).
 
     sharpness: the q.k score of a perfect match (before the softmax). query_scale / value_scale: RMS of the
     query code and of the copied value in the residual, relative to the mask embedding's.
@@ -107,13 +109,14 @@ def fit_copy_circuit(
         raise ConfigError(f"drafter.init=copy needs drafter.sliding_window=2 (got {cfg.sliding_window})")
     d, nq, g, h = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     per_group = nq // g
-    lengths = [len(r) for r in rows[:max_rows]]
+    rows = rows[:max_rows]
+    lengths = [len(r) for r in rows]
     slow = slow_rope_dims(h, cfg.rope_theta, cfg.rope_scaling, max(lengths))
     r = len(slow)  # key code dims per kv head
     if r < 8:
         raise ConfigError(f"drafter.init=copy: only {r} RoPE dims turn slowly enough over {max(lengths)} positions")
 
-    data = collect(target_model, rows, cfg.target_layer_ids, max_rows)
+    data = collect(target_model, rows, cfg.target_layer_ids)
     ids = np.concatenate([x[0][1:] for x in data])  # position 0 (BOS-like, outsized features) is left out
     feats = np.concatenate([_rms(x[1][1:]) for x in data])
     final = np.concatenate([x[2][1:] for x in data])
@@ -124,10 +127,10 @@ def fit_copy_circuit(
     e_hat = _rms(emb)
     seen = np.unique(ids)
     fixed = np.linalg.qr(np.stack([e_hat[seen].mean(0), e_hat[cfg.mask_token_id]], 1))[0]  # [D, 2]
+    # The right singular vectors of the projected embeddings already lie in the projection's range.
     centred = (e_hat[seen] - e_hat[seen].mean(0)) @ (np.eye(d) - fixed @ fixed.T)
     _, s, vt = np.linalg.svd(centred, full_matrices=False)
     code = vt[: g * r] / s[: g * r, None] * np.sqrt(len(seen))  # [g*r, D]: unit variance per code dim
-    code = code @ (np.eye(d) - fixed @ fixed.T)
 
     # Residual / context directions, least used by embeddings first: keys (D_k), the query subspace (S_q) and
     # values (D_v) do not overlap, and block slots (embeddings) barely reach the key and value directions.

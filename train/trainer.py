@@ -39,7 +39,7 @@ from dflash_model.target import build_target, config_of, forward, is_maxtext, ra
 from dflash_model.tokenizer import load_tokenizer
 from dflash_model.weights import load_target
 from train.checkpointing import Checkpoints, trim_metrics
-from train.copy_init import fit_copy_circuit
+from train.copy_init import FIT_ROWS, fit_copy_circuit
 from train.data import build_train_dataset
 from train.features import open_or_build
 from train.objective import gamma_of
@@ -281,7 +281,8 @@ class Trainer:
             if cfg.drafter.init == "target":
                 drafter = copy_target_layers(drafter, self.target)
             elif cfg.drafter.init == "copy":
-                drafter = fit_copy_circuit(drafter, self.target, [records[i]["input_ids"] for i in range(len(records))])
+                fit_rows = [records[i]["input_ids"] for i in range(min(FIT_ROWS, len(records)))]
+                drafter = fit_copy_circuit(drafter, self.target, fit_rows)
             else:
                 init_weights(drafter, self.drafter_cfg, cfg.drafter.init, self.target_cfg)
         elif cfg.drafter.init_logit_std is not None:
