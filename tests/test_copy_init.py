@@ -9,7 +9,7 @@ from data.conversations import load_conversations, tokenize_conversation
 from dflash_model.config import ConfigError
 from dflash_model.drafter import build_drafter, drafter_config_for, scale_output_norm, train_logits
 from dflash_model.target import forward
-from train.copy_init import fit_copy_circuit, slow_rope_dims
+from train.copy_init import _logit_preserving_rank, fit_copy_circuit, slow_rope_dims
 
 train_hidden = nnx.jit(train_logits, static_argnames=("block_size", "hidden_only"))
 
@@ -77,3 +77,29 @@ def test_slow_rope_dims_turn_less_than_the_limit():
     assert list(dims[: len(dims) // 2]) == [i for i in range(32) if inv[i] * 384 <= 0.5]
     assert list(dims[len(dims) // 2 :]) == [i + 32 for i in dims[: len(dims) // 2]]
     assert len(dims) == 26
+
+
+def test_value_rank_cut_keeps_the_lm_head_scores_better_than_principal_directions():
+    # The copied value is the fitted final hidden cut to `rank` dims. Cut in the metric of the lm_head rows it is
+    # scored with, the scores change least (reduced-rank regression); the plain principal directions of the hidden
+    # keep its large components instead, which here every token scores alike.
+    rng = np.random.default_rng(0)
+    n, f, d, v, rank = 400, 40, 24, 60, 6
+    x = rng.standard_normal((n, f))
+    big = np.arange(d) < rank
+    w = rng.standard_normal((f, d)) * np.where(big, 10.0, np.linspace(1.0, 0.3, d))  # `rank` big directions
+    head = rng.standard_normal((v, d)) * np.where(big, 0.01, 1.0)  # which the lm_head barely tells apart
+    fitted = x @ w
+    w_code, basis = _logit_preserving_rank(fitted, w, head, rank)
+    assert w_code.shape == (f, rank) and basis.shape == (rank, d)
+    score_err = lambda cut: np.linalg.norm((fitted - cut) @ head.T) / np.linalg.norm(fitted @ head.T)
+    _, _, pv = np.linalg.svd(fitted, full_matrices=False)
+    pca_err, ours = score_err(fitted @ pv[:rank].T @ pv[:rank]), score_err(x @ w_code @ basis)
+    assert ours < 0.75 * pca_err, (ours, pca_err)
+    # Optimal: no other rank-`rank` map of this form scores closer (Eckart-Young in the head metric).
+    for _ in range(5):
+        q, _ = np.linalg.qr(rng.standard_normal((d, rank)))
+        assert ours <= score_err(fitted @ q @ np.linalg.pinv(fitted @ q) @ fitted) + 1e-9
+    # At full rank the cut is the map itself.
+    w_full, basis_full = _logit_preserving_rank(fitted, w, head, d)
+    np.testing.assert_allclose(x @ w_full @ basis_full, fitted, rtol=1e-6, atol=1e-6 * np.abs(fitted).max())
