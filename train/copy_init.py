@@ -80,14 +80,16 @@ def _logit_preserving_rank(fitted: np.ndarray, w: np.ndarray, head: np.ndarray, 
     return w @ root @ u, u.T @ inv_root
 
 
-def calibrate_output_scale(drafter: Drafter, target_model, data, gamma: float, rows: int = 16, anchors: int = 32):
+def calibrate_output_scale(
+    drafter: Drafter, target_model, data, gamma: float, loss_positions: int | None = None, rows: int = 16, anchors=32
+):
     """The factor on the drafter's final norm that minimises the training loss of the circuit as built: the
-    gamma-weighted cross-entropy of block slots 1.. over the tokens of `data` (collect's rows), the labels the
-    row's own next tokens. A copy circuit is right a quarter of the time and sure of itself every time; left
-    uncalibrated, the first Adam steps spend the circuit's weights on lowering its confidence (on the default run,
-    training slot-1 accuracy 0.20 -> 0.05 in 10 steps). A logit scale changes no argmax."""
+    gamma-weighted cross-entropy of block slots 1.. (1..loss_positions) over the tokens of `data` (collect's
+    rows), the labels the row's own next tokens. A copy circuit is right a quarter of the time and sure of itself
+    every time; left uncalibrated, the first Adam steps spend the circuit's weights on lowering its confidence (on
+    the default run, training slot-1 accuracy 0.20 -> 0.05 in 10 steps). A logit scale changes no argmax."""
     k = drafter.config.block_size
-    slots = min(k - 1, int(np.ceil(3 * gamma)))  # weights past 3 gamma are < 5% of slot 1's
+    slots = min(k - 1, int(np.ceil(3 * gamma)), loss_positions or k)  # weights past 3 gamma are < 5% of slot 1's
     weights = np.asarray(position_weights(k, gamma))[1 : slots + 1]
     vocab = np.unique(np.concatenate([x[0] for x in data]))
     head = jnp.take(lm_head_weight(target_model), jnp.asarray(vocab), axis=1)  # [D, V']
@@ -155,6 +157,7 @@ def fit_copy_circuit(
     query_scale: float = 1.0,
     value_scale: float = 64.0,
     gamma: float | None = None,
+    loss_positions: int | None = None,
     seed: int = 0,
 ) -> Drafter:
     """Set every drafter weight to the copy circuit (module docstring), fitted on the first `max_rows` of `rows`
@@ -162,8 +165,9 @@ def fit_copy_circuit(
 
     sharpness: the q.k score of a perfect match (before the softmax). query_scale / value_scale: RMS of the
     query code and of the copied value in the residual, relative to the mask embedding's. gamma: the training
-    loss's decay over block slots; given, the final norm is scaled to the logit scale that minimises that loss
-    on the fitted rows (calibrate_output_scale), else it carries the target's typical final-hidden RMS.
+    loss's decay over block slots (and loss_positions, the slots it trains); given, the final norm is scaled to
+    the logit scale that minimises that loss on the fitted rows (calibrate_output_scale), else it carries the
+    target's typical final-hidden RMS.
     """
     cfg, tcfg = drafter.config, config_of(target_model)
     check_pairing(cfg, tcfg)
@@ -291,7 +295,7 @@ def fit_copy_circuit(
     put(drafter.hidden_norm, np.ones(d))
     put(drafter.norm, np.full(d, final_rms))
     if gamma is not None:
-        scale, before, after = calibrate_output_scale(drafter, target_model, data, gamma)
+        scale, before, after = calibrate_output_scale(drafter, target_model, data, gamma, loss_positions)
         log.info("copy init: logit scale %.3g (training loss of the circuit %.2f -> %.2f)", scale, before, after)
         put(drafter.norm, np.full(d, final_rms * scale))
     return drafter

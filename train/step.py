@@ -46,7 +46,37 @@ def make_optimizer(t, total_steps: int):
         optax.clip_by_global_norm(float(t.grad_clip)),
         optax.adamw(sched, b1=float(t.b1), b2=float(t.b2), weight_decay=float(t.weight_decay), mask=decay_mask),
     )
+    ratios = dict(t.get("lr_ratio") or {})
+    if ratios:  # only then: a run without it keeps the optimizer state layout of earlier checkpoints
+        tx = optax.chain(tx, _scale_by_name(ratios))
     return tx, sched
+
+
+def param_name(path) -> str:
+    """A drafter parameter's dotted name from its pytree path: `layers.1.self_attn.o_proj`."""
+    parts = []
+    for key in path:
+        part = getattr(key, "key", getattr(key, "idx", getattr(key, "name", key)))
+        if part not in ("value", "raw_value"):
+            parts.append(str(part))
+    return ".".join(parts)
+
+
+def lr_ratio_of(name: str, ratios: dict) -> float:
+    """The lr multiplier of parameter `name`: the ratio of the first key of `ratios` that occurs in it, else 1."""
+    return next((float(r) for pattern, r in ratios.items() if pattern in name), 1.0)
+
+
+def _scale_by_name(ratios: dict) -> optax.GradientTransformation:
+    """Multiply each parameter's update (AdamW's, so its lr and its weight decay) by lr_ratio_of its name:
+    per-parameter learning rates without a second optimizer state."""
+
+    def update(updates, state, params=None):
+        del params
+        scale = lambda path, u: u * lr_ratio_of(param_name(path), ratios)
+        return jax.tree_util.tree_map_with_path(scale, updates), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
 def optimizer_shardings(tx, params, mesh):
@@ -71,7 +101,7 @@ def _tree_where(ok, new, old):
 BATCH_KEYS = ("input_ids", "loss_mask", "lengths", "anchors", "features", "labels")
 
 # Optimizer keys of cfg.train that the compiled step depends on.
-OPT_KEYS = ("lr", "warmup_ratio", "schedule", "final_lr_ratio", "weight_decay", "b1", "b2", "grad_clip")
+OPT_KEYS = ("lr", "warmup_ratio", "schedule", "final_lr_ratio", "weight_decay", "b1", "b2", "grad_clip", "lr_ratio")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -134,7 +164,11 @@ class Program:
             zero_features=bool(cfg.features.zero),
             target_labels=bool(target_labels),
             compute_dtype=str(cfg.train.compute_dtype),
-            opt=tuple((k, cfg.train[k]) for k in OPT_KEYS),
+            # lr_ratio is a dict: frozen to pairs so the Program stays hashable (make_optimizer reads either)
+            opt=tuple(
+                (k, tuple(v.items()) if isinstance(v, dict) else v)
+                for k, v in ((k, cfg.train.get(k)) for k in OPT_KEYS)
+            ),
             total_steps=int(total_steps),
             mesh_key=(tuple(mesh.shape.items()), tuple(d.id for d in mesh.devices.flat)),
             state_shardings=jax.tree.map(lambda x: x.sharding, state),

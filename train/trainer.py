@@ -282,7 +282,9 @@ class Trainer:
                 drafter = copy_target_layers(drafter, self.target)
             elif cfg.drafter.init == "copy":
                 fit_rows = [records[i]["input_ids"] for i in range(min(FIT_ROWS, len(records)))]
-                drafter = fit_copy_circuit(drafter, self.target, fit_rows, gamma=gamma_of(cfg))
+                drafter = fit_copy_circuit(
+                    drafter, self.target, fit_rows, gamma=gamma_of(cfg), loss_positions=cfg.loss_positions
+                )
             else:
                 init_weights(drafter, self.drafter_cfg, cfg.drafter.init, self.target_cfg)
         elif cfg.drafter.init_logit_std is not None:
