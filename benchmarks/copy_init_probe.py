@@ -68,6 +68,36 @@ def slot_accuracy(drafter, target, rows, vocab) -> list[float]:
     return (hits / np.maximum(total, 1)).round(3).tolist()
 
 
+def _suffix_len(ids: list[int], p: int, a: int, most: int = 8) -> int:
+    """How many tokens before p equal those before a (up to `most`)."""
+    return next((n for n in range(most) if p - n - 1 < 0 or ids[p - n - 1] != ids[a - n - 1]), most)
+
+
+def copy_oracles(rows) -> dict:
+    """Count predictors of slot 1 (the token after the block's first token x_a) from the row's earlier text, over
+    the labels slot_accuracy scores: how much of the target's text an in-context copy mechanism could draft. The
+    circuit's attention averages every earlier occurrence of x_a (`vote`); n-gram lookup takes the latest
+    occurrence with the longest matching suffix (`longest_suffix`, up to 8 tokens)."""
+    hits, total = collections.Counter(), 0
+    for r in rows:
+        ids, mask = [int(t) for t in r["input_ids"]], r["loss_mask"]
+        for a in range(1, len(ids) - 1):
+            if not mask[a + 1]:
+                continue
+            total += 1
+            occ = [p for p in range(a) if ids[p] == ids[a]]
+            if not occ:
+                continue
+            label, succ = ids[a + 1], [ids[p + 1] for p in occ]
+            best = max(reversed(occ), key=lambda p, a=a, ids=ids: _suffix_len(ids, p, a))  # latest among equals
+            hits["has_earlier"] += 1
+            hits["latest"] += succ[-1] == label
+            hits["vote"] += collections.Counter(succ).most_common(1)[0][0] == label
+            hits["longest_suffix"] += ids[best + 1] == label
+            hits["any"] += label in succ
+    return {k: round(v / max(total, 1), 3) for k, v in hits.items()} | {"labels": total}
+
+
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
@@ -79,6 +109,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--drafter", help="score this exported drafter directory instead of fitting a circuit")
     ap.add_argument("--fit-rows", type=int, default=120, help="rows the fit may read (max_rows picks how many)")
     ap.add_argument("--score-from", type=int, default=120)
+    ap.add_argument("--oracles", action="store_true", help="also print the count predictors of copy_oracles")
     ap.add_argument("--out", help="JSON file to write")
     args = ap.parse_args(argv)
 
@@ -111,8 +142,12 @@ def main(argv=None) -> list[dict]:
     for r in results:
         name = r.get("drafter") or ("copy circuit " + (json.dumps(r["setting"]) if r["setting"] else "(defaults)"))
         print(f"| {name} | " + " | ".join(f"{a:.3f}" for a in r["acc_1_2_3"]) + " |")
+    oracles = copy_oracles(score_rows) if args.oracles else None
+    if oracles:
+        print("count predictors of slot 1 on the same labels:", json.dumps(oracles))
     if args.out:
-        Path(args.out).write_text(json.dumps({"command": " ".join(sys.argv), "results": results}, indent=1) + "\n")
+        out = {"command": " ".join(["benchmarks/copy_init_probe.py", *sys.argv[1:]]), "results": results}
+        Path(args.out).write_text(json.dumps(out | ({"oracles": oracles} if oracles else {}), indent=1) + "\n")
     return results
 
 

@@ -68,6 +68,7 @@ def train_all(scale: dict, out: Path, runs_dir: Path) -> dict:
             f"train.steps={scale['steps']}",
             f"train.batch_size={scale['batch']}",
             f"num_anchors={scale['anchors']}",
+            "loss_positions=null",  # every slot: the recipe compares block widths and decays
             "train.epochs=100",
             f"checkpoint.every_steps={max(scale['steps'] // 6, 1)}",
             "eval.enabled=false",

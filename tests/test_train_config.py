@@ -16,6 +16,10 @@ def test_smollm2_default_is_k64():
     cfg = load_config("smollm2-135m")
     assert cfg.block_size == 64 and cfg.target.path == "asset:smollm2" and cfg.gamma == 5.0
     assert cfg.draft_vocab == 4096 and cfg.eval.shipped == "drafters/smollm2-135m-dflash"
+    # The default run trains slot 1 alone (its copy-circuit start); the long recipe that inherits it, every slot.
+    assert cfg.drafter.init == "copy" and cfg.loss_positions == 1
+    assert load_config("smollm2-135m-long").loss_positions is None
+    assert load_config("smollm2-135m-regen").loss_positions is None
 
 
 def test_new_choices_are_checked():
