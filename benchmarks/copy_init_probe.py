@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -31,7 +32,7 @@ from dflash_model.drafter_weights import load_drafter  # noqa: E402
 from dflash_model.target import embedding_table, forward  # noqa: E402
 from infer.loading import load_target_spec  # noqa: E402
 from train.config import load_config, parse_value  # noqa: E402
-from train.copy_init import fit_copy_circuit  # noqa: E402
+from train.copy_init import FIT_ROWS, fit_copy_circuit  # noqa: E402
 from train.trainer import drafter_config  # noqa: E402
 from train.workflow import regenerated_path  # noqa: E402
 
@@ -135,7 +136,7 @@ def main(argv=None) -> list[dict]:
         drafter = fit_copy_circuit(build_drafter(dcfg), target.model, [r["input_ids"] for r in fit_rows], **kw)
         results.append({"setting": kw, "acc_1_2_3": slot_accuracy(drafter, target, score_rows, vocab)})
     print(
-        f"fit on the first max_rows (default 48) of rows 1-{len(fit_rows)}, scored on rows "
+        f"fit on the first max_rows (default {FIT_ROWS}) of rows 1-{len(fit_rows)}, scored on rows "
         f"{args.score_from + 1}-{len(rows)}, training forward, K={dcfg.block_size}"
     )
     print("| start | slot 1 | slot 2 | slot 3 |\n|---|---:|---:|---:|")
@@ -146,7 +147,7 @@ def main(argv=None) -> list[dict]:
     if oracles:
         print("count predictors of slot 1 on the same labels:", json.dumps(oracles))
     if args.out:
-        out = {"command": " ".join(["benchmarks/copy_init_probe.py", *sys.argv[1:]]), "results": results}
+        out = {"command": shlex.join(["benchmarks/copy_init_probe.py", *sys.argv[1:]]), "results": results}
         Path(args.out).write_text(json.dumps(out | ({"oracles": oracles} if oracles else {}), indent=1) + "\n")
     return results
 
