@@ -46,16 +46,17 @@ def chat_rows(smollm2):
 def test_copy_circuit_drafts_slot1_before_training(smollm2, chat_rows):
     # ShareGPT conversations (human-written replies, so "what followed last time" is the target's next token less
     # often than on its own replies), chat template, 256 tokens; fit on 16 rows, scored on 8 others. Measured: the
-    # copy circuit agrees with the target's greedy next token at slot 1 on 0.157 of the anchors whose token
-    # occurred before (0.107 with its value cut to principal directions, before the lm_head-metric cut); a random
-    # start (final norm scaled, as the default run used to start) on 0.000.
+    # copy circuit agrees with the target's greedy next token at slot 1 on 0.180 of the anchors whose token
+    # occurred before (0.157 with match codes from the embeddings' principal directions instead of the directions
+    # the features predict; 0.107 also with its value cut to principal directions); a random start (final norm
+    # scaled, as the default run used to start) on 0.000.
     cfg, model, _ = smollm2
     assert len(chat_rows) >= 24
     fit, held_out = chat_rows[:16], chat_rows[16:24]
     copy = fit_copy_circuit(build_drafter(_config(cfg)), model, fit)
     random = scale_output_norm(build_drafter(_config(cfg, layer_types=None)), model, 0.3)
     copied, guessed = _slot1_agreement(copy, model, held_out), _slot1_agreement(random, model, held_out)
-    assert copied > 0.13, (copied, guessed)
+    assert copied > 0.15, (copied, guessed)
     assert copied > 5 * guessed, (copied, guessed)
 
 
