@@ -58,10 +58,11 @@ def slow_rope_dims(head_dim: int, rope_theta: float, rope_scaling, max_distance:
 
 
 def predictable_codes(e_hat: np.ndarray, ids: np.ndarray, feats: np.ndarray, mask_token_id: int, n: int, lam: float):
-    """code [n, D]: the directions of the (rms-normed) embeddings `e_hat` of the tokens `ids` that a ridge map of
-    the features at their positions `feats` predicts best (canonical correlation), each scaled to unit variance
-    over the positions. The mean of the seen embeddings (over distinct tokens, not positions) and the mask token's
-    embedding are projected out first, so the mask codes to 0. `e_hat[t] @ code.T` is token t's code.
+    """(code [n, D], w_code [F, n]): the directions of the (rms-normed) embeddings `e_hat` of the tokens `ids` that a
+    ridge map of the features at their positions `feats` predicts best (canonical correlation), each scaled to unit
+    variance over the positions, and that ridge map (`feats @ w_code` fits `e_hat[ids] @ code.T`). The mean of the
+    seen embeddings (over distinct tokens, not positions) and the mask token's embedding are projected out first, so
+    the mask codes to 0. `e_hat[t] @ code.T` is token t's code.
 
     Against the whitened principal directions of the embeddings (every direction, however hard to read from the
     features), held-out slot-1 accuracy of the circuit 0.284 -> 0.310 (docs/lab-notes.md, "Third version")."""
@@ -73,9 +74,10 @@ def predictable_codes(e_hat: np.ndarray, ids: np.ndarray, feats: np.ndarray, mas
     keep = lam_e > 1e-6 * lam_e.max()
     whiten = vec[:, keep] / np.sqrt(lam_e[keep])  # [D, D']: unit variance per dim over the positions
     z = e @ whiten
-    fitted = feats @ _ridge(feats, z, lam)
-    _, u = np.linalg.eigh(z.T @ fitted / len(z))  # z' P z (P the ridge hat matrix): ascending predictability
-    return (whiten @ u[:, ::-1][:, :n]).T
+    w_z = _ridge(feats, z, lam)
+    _, u = np.linalg.eigh(z.T @ (feats @ w_z) / len(z))  # z' P z (P the ridge hat matrix): ascending predictability
+    best = u[:, ::-1][:, :n]
+    return (whiten @ best).T, w_z @ best  # ridge fits are linear in their targets: the codes' map, not a refit
 
 
 def head_rows(target_model, ids: np.ndarray) -> np.ndarray:
@@ -220,11 +222,11 @@ def fit_copy_circuit(
     final = np.concatenate([x[2][1:] for x in data])
 
     # Token codes: the embedding directions (mean embedding and the mask token's projected out, so the mask codes
-    # to 0 and every code is centred) that a linear map of the features at a token's position predicts best, each
-    # at unit variance: the keys are fitted from the features, the queries read the embedding itself.
+    # to 0) that a linear map of the features at a token's position predicts best, each at unit variance: the keys
+    # are that map of the features (w_key), the queries read the embedding itself.
     emb = np.asarray(embedding_table(target_model), np.float32)
     e_hat = _rms(emb)
-    code = predictable_codes(e_hat, ids, feats, cfg.mask_token_id, g * r, ridge)  # [g*r, D]
+    code, w_key = predictable_codes(e_hat, ids, feats, cfg.mask_token_id, g * r, ridge)  # [g*r, D], [F, g*r]
 
     # Residual / context directions, least used by embeddings first: keys (D_k), the query subspace (S_q) and
     # values (D_v) do not overlap, and block slots (embeddings) barely reach the key and value directions.
@@ -236,9 +238,8 @@ def fit_copy_circuit(
         raise ConfigError(f"drafter.init=copy: {2 * g * r + nv} circuit dims do not fit hidden_size={d}")
     dk, sq, dv = basis[:, : g * r].T, basis[:, g * r : 2 * g * r].T, basis[:, 2 * g * r : 2 * g * r + nv].T
 
-    # Fitted maps from the (rms-normed) features: key = code of the token at p; value = the target's
+    # Fitted maps from the (rms-normed) features: key = code of the token at p (above); value = the target's
     # final-normed hidden at p, cut to nv dims in the metric of the lm_head rows that score it.
-    w_key = _ridge(feats, e_hat[ids] @ code.T, ridge)  # [F, g*r]
     w_val = _ridge(feats, final, ridge)  # [F, D]
     w_val, val_basis = _logit_preserving_rank(feats @ w_val, w_val, head_rows(target_model, ids), nv)
     key_fit = np.mean(np.sum((feats @ w_key) * (e_hat[ids] @ code.T), -1)) / np.mean(
