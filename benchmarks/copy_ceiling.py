@@ -1,0 +1,146 @@
+"""What limits the copy circuit (`drafter.init=copy`): its attention, fitted exactly as train/copy_init.py fits it,
+read out with different values, in numpy, on held-out replies. No drafter is built.
+
+    .venv/bin/python benchmarks/copy_ceiling.py [--out FILE]
+
+Data: the default run's regenerated replies (`bash scripts/main.sh` writes them); the match codes and maps are
+fitted on rows 1-120 and scored on rows 121+, at every anchor whose next token is a reply token (the labels of
+benchmarks/copy_init_probe.py). Each kv group's attention over the context positions before the anchor matches a
+query code of x_a against keys fitted from the features (`predictable_codes`, 28 dims per group as in the circuit),
+scaled to a perfect-match score of `sharpness`; the groups' attentions are averaged. Slot 1 is then read out as:
+  fitted_value      argmax over the draft vocabulary of the attention-averaged fitted final hidden (the circuit's
+                    value before its rank cut), through the lm_head;
+  target_final      the same with the target's exact final hidden;
+  target_vote       the attention-weighted vote over the target's argmax at the matched positions;
+  text_vote         the attention-weighted vote over the tokens that actually followed there (n-gram's answer).
+Slot 2 (`--slot2`): keys of the token before each position (x_{i-1} from the features at i), alone or sharing a
+head's dims with slot 1's keys (one k_norm over both), read out by text_vote.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import shlex
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from data.conversations import tokenize_conversation  # noqa: E402
+from dflash_model.target import embedding_table, lm_head_weight  # noqa: E402
+from infer.loading import load_target_spec  # noqa: E402
+from train.config import load_config  # noqa: E402
+from train.copy_init import _ridge, _rms, collect, predictable_codes  # noqa: E402
+from train.workflow import regenerated_path  # noqa: E402
+
+GROUPS, DIMS, RIDGE = 3, 28, 10.0  # the circuit on SmolLM2: 3 kv groups, 28 slow RoPE dims each at 384 tokens
+
+
+def _attention(query_BGN, keys_TGN, sharpness: float):
+    """[B, T] group-averaged softmax of unit-RMS queries against unit-RMS keys (q_norm / k_norm): the circuit's layer-1
+    attention, whose perfect match scores `sharpness` (train/copy_init.py)."""
+    unit = lambda x: x / np.sqrt(np.mean(x**2, -1, keepdims=True) + 1e-6)
+    # a query's n dims against the first n of a key: a perfect match scores `sharpness` (both at unit RMS per dim)
+    s = np.einsum("bgn,tgn->gbt", unit(query_BGN), unit(keys_TGN)[..., : query_BGN.shape[-1]])
+    s = s * sharpness / query_BGN.shape[-1]
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return (p / p.sum(-1, keepdims=True)).mean(0)
+
+
+def _vote(p, tokens) -> int:
+    votes = collections.defaultdict(float)
+    for t, w in zip(tokens, p):
+        votes[int(t)] += w
+    return max(votes, key=votes.get)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sharpness", type=float, action="append", help="perfect-match scores (default 16)")
+    ap.add_argument("--slot2", action="store_true", help="also score slot 2 through keys of the token before")
+    ap.add_argument("--out", help="JSON file to write")
+    args = ap.parse_args(argv)
+    sharpness = args.sharpness or [16.0]
+
+    cfg = load_config("smollm2-135m")
+    target = load_target_spec("smollm2")
+    path = regenerated_path(cfg.data.regenerate, "smollm2")
+    if not path.exists():
+        raise SystemExit(f"{path}: no regenerated replies; run `bash scripts/main.sh` first")
+    rows = [
+        tokenize_conversation(target.tokenizer, json.loads(line)["messages"], 384)
+        for line in path.read_text().splitlines()
+    ]
+    layers = cfg.drafter.target_layer_ids or [1, 8, 14, 20, 27]
+    fit = collect(target.model, [r["input_ids"] for r in rows[:120]], layers)
+    test = collect(target.model, [r["input_ids"] for r in rows[120:]], layers)
+    reply = [r["loss_mask"] for r in rows[120:]]
+    counts = collections.Counter(np.concatenate([r["input_ids"][r["loss_mask"]] for r in rows[:120]]))
+    vocab = np.array([t for t, _ in counts.most_common(int(cfg.draft_vocab))], np.int32)
+    head = np.asarray(lm_head_weight(target.model), np.float32)[:, vocab]  # [D, V']
+    e_hat = _rms(np.asarray(embedding_table(target.model), np.float32))
+
+    feats = np.concatenate([_rms(x[1][1:]) for x in fit])
+    cur = np.concatenate([x[0][1:] for x in fit])
+    prev = np.concatenate([x[0][:-1] for x in fit])
+    code, w_key = predictable_codes(e_hat, cur, feats, cfg.drafter.mask_token_id, GROUPS * DIMS, RIDGE)
+    w_val = _ridge(feats, np.concatenate([x[2][1:] for x in fit]), RIDGE)
+    if args.slot2:
+        code_prev, w_prev = predictable_codes(e_hat, prev, feats, cfg.drafter.mask_token_id, GROUPS * DIMS, RIDGE)
+
+    hits, total = collections.Counter(), collections.Counter()
+    for (ids, f, final), mask in zip(test, reply):
+        f = _rms(f)
+        keys = (f @ w_key).reshape(len(ids), GROUPS, DIMS)
+        fitted = f @ w_val @ head
+        exact = final @ head
+        anchors = np.array([a for a in range(2, len(ids) - 1) if mask[a + 1]])
+        for a in anchors:
+            q = (e_hat[ids[a]] @ code.T).reshape(1, GROUPS, DIMS)
+            total["slot1"] += 1
+            for s in sharpness:
+                p = _attention(q, keys[1:a], s)[0]  # context positions 1 .. a-1 (position 0 left out, as in the fit)
+                hits[f"slot1 fitted_value s={s:g}"] += vocab[np.argmax(p @ fitted[1:a])] == ids[a + 1]
+                hits[f"slot1 target_final s={s:g}"] += vocab[np.argmax(p @ exact[1:a])] == ids[a + 1]
+                hits[f"slot1 target_vote s={s:g}"] += _vote(p, vocab[exact[1:a].argmax(-1)]) == ids[a + 1]
+                hits[f"slot1 text_vote s={s:g}"] += _vote(p, ids[2 : a + 1]) == ids[a + 1]
+                hits[f"slot1 match mass on reply text s={s:g}"] += float(p @ mask[1:a])
+        if args.slot2:
+            prev_keys = (f @ w_prev).reshape(len(ids), GROUPS, DIMS)
+            half = DIMS // 2
+            for a in anchors:
+                if a + 2 >= len(ids) or not mask[a + 2]:
+                    continue
+                total["slot2"] += 1
+                q = (e_hat[ids[a]] @ code_prev.T).reshape(1, GROUPS, DIMS)
+                for name, qq, kk in (
+                    ("alone, 28 dims", q, prev_keys[1:a]),
+                    ("alone, 14 dims", q[..., :half], prev_keys[1:a, :, :half]),
+                    (
+                        "14 dims sharing k_norm with 14 of slot 1's",
+                        q[..., :half],
+                        np.concatenate([prev_keys[1:a, :, :half], keys[1:a, :, :half]], -1),
+                    ),
+                ):
+                    p = _attention(qq, kk, sharpness[0])[0]
+                    hits[f"slot2 text_vote, keys {name}"] += _vote(p, ids[2 : a + 1]) == ids[a + 2]
+    result = {
+        k: round(v / total["slot2" if k.startswith("slot2") else "slot1"], 3) for k, v in sorted(hits.items())
+    } | {"labels": dict(total)}
+    print("| read-out | top-1 |\n|---|---:|")
+    for k, v in result.items():
+        if k != "labels":
+            print(f"| {k} | {v:.3f} |")
+    print("labels:", result["labels"])
+    if args.out:
+        out = {"command": shlex.join(["benchmarks/copy_ceiling.py", *sys.argv[1:]]), "results": result}
+        Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()
