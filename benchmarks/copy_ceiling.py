@@ -12,8 +12,12 @@ scaled to a perfect-match score of `sharpness`; the groups' attentions are avera
                     value before its rank cut), through the lm_head;
   target_final      the same with the target's exact final hidden;
   target_vote       the attention-weighted vote over the target's argmax at the matched positions;
-  text_vote         the attention-weighted vote over the tokens that actually followed there (n-gram's answer).
-Slot 2 (`--slot2`): keys of the token before each position (x_{i-1} from the features at i), alone or sharing a
+  text_vote         the attention-weighted vote over the tokens that actually followed there (the text, which
+                    n-gram copies), also counted only where the label is in the draft vocabulary, as the three
+                    read-outs above are argmaxes over it (`target_vote, full vocabulary` is not);
+and the attention's mass on reply positions (the rest is on the prompt), averaged over the anchors.
+Slot 2 (`--slot2`, at the first `--sharpness`): keys of the token before each position (x_{i-1} from the features
+at i), alone or sharing a
 head's dims with slot 1's keys (one k_norm over both), read out by text_vote.
 """
 
@@ -37,7 +41,7 @@ from train.config import load_config  # noqa: E402
 from train.copy_init import _ridge, _rms, collect, predictable_codes  # noqa: E402
 from train.workflow import regenerated_path  # noqa: E402
 
-GROUPS, DIMS, RIDGE = 3, 28, 10.0  # the circuit on SmolLM2: 3 kv groups, 28 slow RoPE dims each at 384 tokens
+GROUPS, DIMS, RIDGE = 3, 28, 10.0  # SmolLM2's circuit: 3 kv groups, 28 slow RoPE dims (rows 1-120 <= 243 tokens)
 
 
 def _attention(query_BGN, keys_TGN, sharpness: float):
@@ -81,7 +85,10 @@ def main(argv=None) -> dict:
     reply = [r["loss_mask"] for r in rows[120:]]
     counts = collections.Counter(np.concatenate([r["input_ids"][r["loss_mask"]] for r in rows[:120]]))
     vocab = np.array([t for t, _ in counts.most_common(int(cfg.draft_vocab))], np.int32)
-    head = np.asarray(lm_head_weight(target.model), np.float32)[:, vocab]  # [D, V']
+    full_head = np.asarray(lm_head_weight(target.model), np.float32)  # [D, V]
+    head = full_head[:, vocab]  # [D, V']
+    in_vocab = np.zeros(full_head.shape[1], bool)
+    in_vocab[vocab] = True
     e_hat = _rms(np.asarray(embedding_table(target.model), np.float32))
 
     feats = np.concatenate([_rms(x[1][1:]) for x in fit])
@@ -98,6 +105,7 @@ def main(argv=None) -> dict:
         keys = (f @ w_key).reshape(len(ids), GROUPS, DIMS)
         fitted = f @ w_val @ head
         exact = final @ head
+        exact_full = (final @ full_head).argmax(-1)
         anchors = np.array([a for a in range(2, len(ids) - 1) if mask[a + 1]])
         for a in anchors:
             q = (e_hat[ids[a]] @ code.T).reshape(1, GROUPS, DIMS)
@@ -108,6 +116,9 @@ def main(argv=None) -> dict:
                 hits[f"slot1 target_final s={s:g}"] += vocab[np.argmax(p @ exact[1:a])] == ids[a + 1]
                 hits[f"slot1 target_vote s={s:g}"] += _vote(p, vocab[exact[1:a].argmax(-1)]) == ids[a + 1]
                 hits[f"slot1 text_vote s={s:g}"] += _vote(p, ids[2 : a + 1]) == ids[a + 1]
+                text_in_vocab = _vote(p, ids[2 : a + 1]) == ids[a + 1] and in_vocab[ids[a + 1]]
+                hits[f"slot1 text_vote, labels in the draft vocabulary only s={s:g}"] += text_in_vocab
+                hits[f"slot1 target_vote, full vocabulary s={s:g}"] += _vote(p, exact_full[1:a]) == ids[a + 1]
                 hits[f"slot1 match mass on reply text s={s:g}"] += float(p @ mask[1:a])
         if args.slot2:
             prev_keys = (f @ w_prev).reshape(len(ids), GROUPS, DIMS)
