@@ -6,7 +6,7 @@ read out with different values, in numpy, on held-out replies. No drafter is bui
 Data: the default run's regenerated replies (`bash scripts/main.sh` writes them); the match codes and maps are
 fitted on rows 1-120 and scored on rows 121+, at every anchor whose next token is a reply token (the labels of
 benchmarks/copy_init_probe.py). Each kv group's attention over the context positions before the anchor matches a
-query code of x_a against keys fitted from the features (`predictable_codes`, 28 dims per group as in the circuit),
+query code of x_a against keys fitted from the features (`predictable_codes`, the circuit's slow RoPE dims per group),
 scaled to a perfect-match score of `sharpness`; the groups' attentions are averaged. Slot 1 is then read out as:
   fitted_value      argmax over the draft vocabulary of the attention-averaged fitted final hidden (the circuit's
                     value before its rank cut), through the lm_head;
@@ -17,8 +17,7 @@ scaled to a perfect-match score of `sharpness`; the groups' attentions are avera
                     read-outs above are argmaxes over it (`target_vote, full vocabulary` is not);
 and the attention's mass on reply positions (the rest is on the prompt), averaged over the anchors.
 Slot 2 (`--slot2`, at the first `--sharpness`): keys of the token before each position (x_{i-1} from the features
-at i), alone or sharing a
-head's dims with slot 1's keys (one k_norm over both), read out by text_vote.
+at i), alone or sharing a head's dims with slot 1's keys (one k_norm over both), read out by text_vote.
 """
 
 from __future__ import annotations
@@ -38,10 +37,11 @@ from data.conversations import tokenize_conversation  # noqa: E402
 from dflash_model.target import embedding_table, lm_head_weight  # noqa: E402
 from infer.loading import load_target_spec  # noqa: E402
 from train.config import load_config  # noqa: E402
-from train.copy_init import _ridge, _rms, collect, predictable_codes  # noqa: E402
+from train.copy_init import _ridge, _rms, collect, predictable_codes, slow_rope_dims  # noqa: E402
+from train.trainer import drafter_config  # noqa: E402
 from train.workflow import regenerated_path  # noqa: E402
 
-GROUPS, DIMS, RIDGE = 3, 28, 10.0  # SmolLM2's circuit: 3 kv groups, 28 slow RoPE dims (rows 1-120 <= 243 tokens)
+RIDGE = 10.0  # fit_copy_circuit's default
 
 
 def _attention(query_BGN, keys_TGN, sharpness: float):
@@ -79,9 +79,12 @@ def main(argv=None) -> dict:
         tokenize_conversation(target.tokenizer, json.loads(line)["messages"], 384)
         for line in path.read_text().splitlines()
     ]
-    layers = cfg.drafter.target_layer_ids or [1, 8, 14, 20, 27]
-    fit = collect(target.model, [r["input_ids"] for r in rows[:120]], layers)
-    test = collect(target.model, [r["input_ids"] for r in rows[120:]], layers)
+    dcfg = drafter_config(cfg, target.config)  # the default run's drafter: its target layers, heads and RoPE
+    fit = collect(target.model, [r["input_ids"] for r in rows[:120]], dcfg.target_layer_ids)
+    test = collect(target.model, [r["input_ids"] for r in rows[120:]], dcfg.target_layer_ids)
+    # kv groups x slow RoPE dims, as fit_copy_circuit picks them for these fit rows (28 per group on SmolLM2 here)
+    groups = dcfg.num_key_value_heads
+    dims = len(slow_rope_dims(dcfg.head_dim, dcfg.rope_theta, dcfg.rope_scaling, max(len(x[0]) for x in fit)))
     reply = [r["loss_mask"] for r in rows[120:]]
     counts = collections.Counter(np.concatenate([r["input_ids"][r["loss_mask"]] for r in rows[:120]]))
     vocab = np.array([t for t, _ in counts.most_common(int(cfg.draft_vocab))], np.int32)
@@ -94,45 +97,47 @@ def main(argv=None) -> dict:
     feats = np.concatenate([_rms(x[1][1:]) for x in fit])
     cur = np.concatenate([x[0][1:] for x in fit])
     prev = np.concatenate([x[0][:-1] for x in fit])
-    code, w_key = predictable_codes(e_hat, cur, feats, cfg.drafter.mask_token_id, GROUPS * DIMS, RIDGE)
+    code, w_key = predictable_codes(e_hat, cur, feats, cfg.drafter.mask_token_id, groups * dims, RIDGE)
     w_val = _ridge(feats, np.concatenate([x[2][1:] for x in fit]), RIDGE)
     if args.slot2:
-        code_prev, w_prev = predictable_codes(e_hat, prev, feats, cfg.drafter.mask_token_id, GROUPS * DIMS, RIDGE)
+        code_prev, w_prev = predictable_codes(e_hat, prev, feats, cfg.drafter.mask_token_id, groups * dims, RIDGE)
 
     hits, total = collections.Counter(), collections.Counter()
     for (ids, f, final), mask in zip(test, reply):
         f = _rms(f)
-        keys = (f @ w_key).reshape(len(ids), GROUPS, DIMS)
+        keys = (f @ w_key).reshape(len(ids), groups, dims)
         fitted = f @ w_val @ head
         exact = final @ head
         exact_full = (final @ full_head).argmax(-1)
         anchors = np.array([a for a in range(2, len(ids) - 1) if mask[a + 1]])
         for a in anchors:
-            q = (e_hat[ids[a]] @ code.T).reshape(1, GROUPS, DIMS)
+            q = (e_hat[ids[a]] @ code.T).reshape(1, groups, dims)
             total["slot1"] += 1
             for s in sharpness:
                 p = _attention(q, keys[1:a], s)[0]  # context positions 1 .. a-1 (position 0 left out, as in the fit)
                 hits[f"slot1 fitted_value s={s:g}"] += vocab[np.argmax(p @ fitted[1:a])] == ids[a + 1]
                 hits[f"slot1 target_final s={s:g}"] += vocab[np.argmax(p @ exact[1:a])] == ids[a + 1]
                 hits[f"slot1 target_vote s={s:g}"] += _vote(p, vocab[exact[1:a].argmax(-1)]) == ids[a + 1]
-                hits[f"slot1 text_vote s={s:g}"] += _vote(p, ids[2 : a + 1]) == ids[a + 1]
-                text_in_vocab = _vote(p, ids[2 : a + 1]) == ids[a + 1] and in_vocab[ids[a + 1]]
-                hits[f"slot1 text_vote, labels in the draft vocabulary only s={s:g}"] += text_in_vocab
+                text_hit = _vote(p, ids[2 : a + 1]) == ids[a + 1]
+                hits[f"slot1 text_vote s={s:g}"] += text_hit
+                hits[f"slot1 text_vote, labels in the draft vocabulary only s={s:g}"] += (
+                    text_hit and in_vocab[ids[a + 1]]
+                )
                 hits[f"slot1 target_vote, full vocabulary s={s:g}"] += _vote(p, exact_full[1:a]) == ids[a + 1]
                 hits[f"slot1 match mass on reply text s={s:g}"] += float(p @ mask[1:a])
         if args.slot2:
-            prev_keys = (f @ w_prev).reshape(len(ids), GROUPS, DIMS)
-            half = DIMS // 2
+            prev_keys = (f @ w_prev).reshape(len(ids), groups, dims)
+            half = dims // 2
             for a in anchors:
                 if a + 2 >= len(ids) or not mask[a + 2]:
                     continue
                 total["slot2"] += 1
-                q = (e_hat[ids[a]] @ code_prev.T).reshape(1, GROUPS, DIMS)
+                q = (e_hat[ids[a]] @ code_prev.T).reshape(1, groups, dims)
                 for name, qq, kk in (
-                    ("alone, 28 dims", q, prev_keys[1:a]),
-                    ("alone, 14 dims", q[..., :half], prev_keys[1:a, :, :half]),
+                    (f"alone, {dims} dims", q, prev_keys[1:a]),
+                    (f"alone, {half} dims", q[..., :half], prev_keys[1:a, :, :half]),
                     (
-                        "14 dims sharing k_norm with 14 of slot 1's",
+                        f"{half} dims sharing k_norm with {half} of slot 1's",
                         q[..., :half],
                         np.concatenate([prev_keys[1:a, :, :half], keys[1:a, :, :half]], -1),
                     ),
