@@ -484,13 +484,15 @@ def compare_specs(drafter_dir: str) -> list[str]:
 
 def _drafts(specs: list[str], target_cfg, block: int | None, seed: int):
     """Draft objects for --draft values (SPEC or SPEC@K), with distinct names: a second drafter directory is
-    named by its directory."""
+    named by its directory, its prefixes kept (fullvocab:DIR is fullvocab-DIRNAME)."""
     out = []
     for spec in specs:
         spec, _, k = spec.partition("@")
         d = load_draft_spec(spec, target_cfg, int(k) if k else block, seed=seed)
         if any(o.name == d.name for o in out):
-            d = dataclasses.replace(d, name=Path(spec).name)
+            dir_name = Path(spec.rsplit(":", 1)[-1]).name
+            name = d.name.replace("dflash", dir_name) if "dflash" in d.name else f"{d.name}-{dir_name}"
+            d = dataclasses.replace(d, name=name)
         out.append(d)
     return out
 

@@ -195,6 +195,10 @@ def test_shipped_drafter_loads_with_its_draft_vocabulary_unless_fullvocab():
     assert load_draft_spec("hybrid:fullvocab:" + shipped, cfg).proposer.dflash.vocab is None
     with pytest.raises(ValueError, match="fullvocab: applies to a DFlash drafter directory"):
         load_draft_spec("fullvocab:ngram", cfg)
+    # Two directories, each also over the full vocabulary, in one comparison: the second keeps its prefix.
+    other = str(REPO / "drafters" / "smollm2-135m-dflash" / ".." / "smollm2-135m-dflash")
+    names = [d.name for d in ev._drafts([shipped, "fullvocab:" + shipped, other, "fullvocab:" + other], cfg, None, 0)]
+    assert names == ["dflash", "fullvocab-dflash", "smollm2-135m-dflash", "fullvocab-smollm2-135m-dflash"]
 
 
 @pytest.mark.parametrize("bad", ["999999", "-1"])
