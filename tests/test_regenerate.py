@@ -7,7 +7,7 @@ from conftest import tiny_target
 
 from dflash_model.tokenizer import chat_prompt_ids, stop_token_ids
 from infer.plain import bucket_length, greedy_generate
-from train.regenerate import first_turn_prompt, plan, read_done, regenerate
+from train.regenerate import first_turn_prompt, pending, plan, read_done, regenerate
 
 NEW = 6  # new tokens per reply: enough to see text, short enough to keep the test fast
 
@@ -121,9 +121,12 @@ def test_resume_after_crash_matches_uninterrupted_run(tmp_path, model, smol_tok,
     lines = reference.splitlines(keepends=True)
     crashed = tmp_path / "crashed.jsonl"
     crashed.write_bytes(b"".join(lines[:cut_line]) + lines[cut_line][: len(lines[cut_line]) // 2])
+    # What the run's plan announces: the eligible replies not yet written (5 of the 8 conversations are eligible).
+    assert pending(conversations(), smol_tok, crashed, 48) == 5 - cut_line
     stats = run(model, smol_tok, crashed)
     assert crashed.read_bytes() == reference
     assert stats["already_done"] == cut_line and stats["written"] == 5 - cut_line
+    assert pending(conversations(), smol_tok, crashed, 48) == 0
     assert run(model, smol_tok, crashed)["written"] == 0  # a finished file is left alone
     assert crashed.read_bytes() == reference
 

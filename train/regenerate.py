@@ -129,6 +129,14 @@ def check_settings(out_path: str | Path, settings: dict) -> None:
     atomic_write_json(side, settings)
 
 
+def pending(conversations: list[dict], tok, out_path: str | Path, max_prompt_tokens: int, *, thinking=False) -> int:
+    """How many replies `regenerate` would still write: eligible conversations (prompt within max_prompt_tokens)
+    whose id is not yet in `out_path`."""
+    eligible, _ = plan(conversations, tok, max_prompt_tokens, thinking=thinking)
+    done = set(read_done(out_path))
+    return sum(e[0] not in done for e in eligible)
+
+
 def regenerate(
     model,
     tok,

@@ -94,10 +94,6 @@ def main(argv: list[str] | None = None) -> dict:
             )
         from dflash_model.tokenizer import load_tokenizer
 
-        r = cfg.data.regenerate
-        out = workflow.regenerated_path(r, _target_name(cfg))
-        todo = int(r.limit) - int(r.heldout) - (workflow.count_lines(out) if out.exists() else 0)
-        workflow.announce_start(cfg, regen_todo=max(todo, 0))
         target, tok_path = load_target_model(cfg, resolve_mesh(cfg))
         tok_source = cfg.data.tokenizer or tok_path
         tokenizer = load_tokenizer(tok_source)

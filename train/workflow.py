@@ -25,7 +25,7 @@ from dflash_model.target import is_maxtext
 from dflash_model.tokenizer import load_tokenizer, stop_token_ids
 from infer.eval import dataset_messages, encode, format_comparison, format_table, plot_comparison, run_comparison
 from infer.loading import dflash_draft, load_draft_spec
-from train.regenerate import first_turn_prompt, regenerate
+from train.regenerate import first_turn_prompt, pending, regenerate
 
 log = logging.getLogger("dflash.train")
 
@@ -56,12 +56,14 @@ def split_heldout(conversations: list[dict], heldout: int) -> tuple[list[dict], 
 
 
 def prepare_regenerated(cfg, model, tok, target_name: str) -> tuple[Path, list[dict]]:
-    """Regenerate (resuming) the training replies; returns (training JSONL, held-out prompt rows for eval)."""
+    """Say the run's plan (`announce_start`, with the replies still to regenerate), then regenerate (resuming) the
+    training replies; returns (training JSONL, held-out prompt rows for eval)."""
     r = cfg.data.regenerate
     convs, _ = load_conversations(r.prompts, limit=int(r.limit), require_assistant=False)
     train_convs, held = split_heldout(convs, int(r.heldout))
     out = regenerated_path(r, target_name)
     out.parent.mkdir(parents=True, exist_ok=True)
+    announce_start(cfg, regen_todo=pending(train_convs, tok, out, int(r.max_prompt_tokens)))
     t0 = time.perf_counter()
     stats = regenerate(
         model,
@@ -93,11 +95,6 @@ def prepare_regenerated(cfg, model, tok, target_name: str) -> tuple[Path, list[d
     return out, rows
 
 
-def count_lines(path: Path) -> int:
-    with Path(path).open("rb") as f:
-        return sum(1 for _ in f)
-
-
 # ----------------------------------------------------------------------------------------------------------
 # The plan, said up front.
 
@@ -113,9 +110,7 @@ def announce_start(cfg, *, regen_todo: int = 0) -> None:
     if regen_todo:
         r = cfg.data.regenerate
         mins = regen_todo * int(r.max_new_tokens) * 0.8 / REGEN_TOKENS_PER_S / 60
-        parts.append(
-            f"regenerate up to {regen_todo} replies with the target (~{mins:.0f} min, once: cached for later runs)"
-        )
+        parts.append(f"regenerate {regen_todo} replies with the target (~{mins:.0f} min, once: cached for later runs)")
     steps = cfg.train.steps if cfg.train.steps is not None else f"{cfg.train.epochs} epochs of"
     parts.append(
         f"train a K={cfg.block_size} drafter for {steps} steps of {cfg.train.batch_size} sequences, "
