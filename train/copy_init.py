@@ -242,14 +242,12 @@ def fit_copy_circuit(
     # final-normed hidden at p, cut to nv dims in the metric of the lm_head rows that score it.
     w_val = _ridge(feats, final, ridge)  # [F, D]
     w_val, val_basis = _logit_preserving_rank(feats @ w_val, w_val, head_rows(target_model, ids), nv)
-    key_fit = np.mean(np.sum((feats @ w_key) * (e_hat[ids] @ code.T), -1)) / np.mean(
-        np.sum((e_hat[ids] @ code.T) ** 2, -1)
-    )
+    key_part, token_code = feats @ w_key, e_hat[ids] @ code.T
+    key_fit = np.mean(np.sum(key_part * token_code, -1)) / np.mean(np.sum(token_code**2, -1))
     log.info("copy init: %d rows, %d positions, %d key dims per kv head, key fit %.2f", len(data), len(ids), r, key_fit)
 
     # fc writes [key code ; value code] into D_k / D_v. hidden_norm then scales the context to unit RMS; the two
     # parts keep their ratio, and k_norm renormalises keys anyway.
-    key_part = feats @ w_key
     val_part = feats @ w_val
     ratio = np.sqrt(np.mean(key_part**2) / np.mean(val_part**2))
     fc = w_key @ dk + ratio * (w_val @ dv)  # raw features in: fc is linear, so rms-normed fits keep their direction
