@@ -330,9 +330,11 @@ _VERIFY_MS: dict[int, tuple] = {}
 
 
 def _loop_ms(fn, reps: int) -> float:
-    """ms per repetition of fn(r) (r repetitions in one call): (time(1 + reps) - time(1)) / reps, each the median
+    """ms per repetition of fn(r) (r repetitions in one call): (time(1 + reps) - time(1)) / reps, each the fastest
     of three calls after a compile run; while that difference is not positive, up to twice more with 4x the reps
-    (0 only when all three tries drown in noise)."""
+    (0 only when all three tries drown in noise). The fastest, not the median: other work on the CPU only ever
+    adds time, and a burst of it during calibration would steer every round of the decode that follows (a
+    calibration taken while a test ran beside it timed a width-2 verify at 36 ms, 19 ms on the quiet machine)."""
 
     def once(r):
         t = time.perf_counter()
@@ -341,8 +343,8 @@ def _loop_ms(fn, reps: int) -> float:
 
     jax.block_until_ready(fn(1))  # compile (the count is data: one executable for every r)
     for _ in range(3):
-        one = float(np.median([once(1) for _ in range(3)]))
-        many = float(np.median([once(1 + reps) for _ in range(3)]))
+        one = min(once(1) for _ in range(3))
+        many = min(once(1 + reps) for _ in range(3))
         if many > one:
             break
         reps *= 4  # the machine's noise swallowed `reps` repetitions (a tiny model on a loaded CPU): time more
