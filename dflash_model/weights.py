@@ -391,6 +391,16 @@ def save_hf_target(model: nnx.Module, out_dir: str | Path, dtype: str | None = N
     return out
 
 
+def load_target_config(path: str | Path, *, dtype: str | None = None) -> TargetConfig:
+    """The architecture of an HF directory (its config.json) or a .gguf file (its metadata), no weights read."""
+    path = Path(path)
+    if path.suffix == ".gguf":
+        return GGUFSource(path).config(dtype=dtype or "float32")
+    if path.is_dir():
+        return load_hf_config(path, dtype=dtype)
+    raise CheckpointError(f"{path}: expected an HF model directory (config.json + *.safetensors) or a .gguf file")
+
+
 def load_target(path: str | Path, *, dtype: str | None = None, mesh=None):
     """An HF directory or a .gguf file."""
     path = Path(path)
@@ -411,5 +421,6 @@ __all__ = [
     "load_gguf_target",
     "load_hf_target",
     "load_target",
+    "load_target_config",
     "undo_gguf_rope_permute",
 ]

@@ -80,3 +80,10 @@ def test_dry_run_command():
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "pod 4 devices: 4 devices" in out.stdout and "verdict: fits" in out.stdout
+
+
+def test_a_gguf_asset_target_plans_with_its_own_architecture():
+    """The SmolLM2 configs name their target as a GGUF asset and no preset: the dry run reads the architecture from
+    the file's metadata (it failed with 'unknown target preset None' before), the same as the preset's."""
+    p = plan(load_config("smollm2-135m-long"), parse_pod("1"))
+    assert p["bytes_per_device"]["target_params"] == pytest.approx(preset("smollm2-135m").num_params() * 4, rel=1e-3)

@@ -24,10 +24,12 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from dflash_model.config import load_hf_config, preset
+from data import assets
+from dflash_model.config import preset
 from dflash_model.drafter import Drafter
 from dflash_model.sharding import batch_sharding, param_specs
 from dflash_model.target import build_target
+from dflash_model.weights import load_target_config
 from train.step import Program, make_optimizer, optimizer_shardings, train_step
 from train.trainer import drafter_config, resolve_mesh
 
@@ -121,8 +123,10 @@ def plan(cfg, pod: Pod) -> dict:
         raise RuntimeError(f"{pod.name} needs {pod.devices} devices; JAX holds {len(jax.devices())}")
     mesh = resolve_mesh(cfg, jax.devices()[: pod.devices])
     t = cfg.target
-    if t.path is not None and not str(t.path).startswith("asset:"):
-        tcfg = load_hf_config(t.path, dtype=t.dtype)
+    if t.path is not None:
+        path = str(t.path)
+        path = assets.path(path.split(":", 1)[1]) if path.startswith("asset:") else path
+        tcfg = load_target_config(path, dtype=t.dtype)
     else:
         tcfg = preset(t.preset).replace(**dict(t.arch), dtype=t.dtype)
     dcfg = drafter_config(cfg, tcfg)
