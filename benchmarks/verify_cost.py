@@ -194,7 +194,7 @@ def main_in_loop(args) -> dict:
         "max_new_tokens": args.max_new_tokens,
         "reps": args.reps,
         "timing": "Engine.calibrate: each width repeated inside one jitted fori_loop, (t(1+reps) - t(1)) / reps, "
-        "median of 3, block_until_ready",
+        "fastest of 3, block_until_ready",
         "device": str(jax.devices()[0]),
         "machine": platform.processor() or platform.machine(),
         "points": points,

@@ -122,7 +122,9 @@ def test_resume_after_crash_matches_uninterrupted_run(tmp_path, model, smol_tok,
     crashed = tmp_path / "crashed.jsonl"
     crashed.write_bytes(b"".join(lines[:cut_line]) + lines[cut_line][: len(lines[cut_line]) // 2])
     # What the run's plan announces: the eligible replies not yet written (5 of the 8 conversations are eligible).
+    torn = crashed.read_bytes()
     assert pending(conversations(), smol_tok, crashed, 48) == 5 - cut_line
+    assert crashed.read_bytes() == torn  # read only: the repair is regenerate's
     stats = run(model, smol_tok, crashed)
     assert crashed.read_bytes() == reference
     assert stats["already_done"] == cut_line and stats["written"] == 5 - cut_line

@@ -1,10 +1,11 @@
 """A dry run: will this config fit a pod, and what does a step cost? (`train/run.py --dry-run --pod v5p-128`)
 
 Builds the configured target, drafter, optimizer state and the real jitted training step (`train.step.train_step`)
-over abstract arrays (shapes, dtypes and shardings only: nothing is allocated or loaded), lays them on a mesh of
-the pod's size made of fake CPU devices, and compiles the step with XLA's SPMD partitioner. It reports per device:
-the target's and the drafter's parameters, the optimizer state, the compiled step's temporaries (activations,
-gradients, scratch), their sum against the chip's HBM, and the step's FLOPs.
+over abstract arrays (shapes, dtypes and shardings only: nothing is allocated or loaded; a target given as a
+file is read for its architecture only, and an `asset:` one is fetched into the cache first if it is not there),
+lays them on a mesh of the pod's size made of fake CPU devices, and compiles the step with XLA's SPMD partitioner.
+It reports per device: the target's and the drafter's parameters, the optimizer state, the compiled step's
+temporaries (activations, gradients, scratch), their sum against the chip's HBM, and the step's FLOPs.
 
 What it is and is not: parameter and optimizer bytes follow from the shardings exactly; the temporaries and FLOPs
 are what XLA's CPU compiler plans for the partitioned program, which fuses and schedules differently from the TPU

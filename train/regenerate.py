@@ -48,8 +48,9 @@ def first_turn_prompt(messages: list[dict]) -> list[dict] | None:
     return None
 
 
-def read_done(out_path: str | Path) -> list[str]:
-    """Ids already written to `out_path`, in order, after cutting off a partial last line (a crash mid-write).
+def read_done(out_path: str | Path, *, repair: bool = True) -> list[str]:
+    """Ids already written to `out_path`, in order, after cutting off a partial last line (a crash mid-write; with
+    repair=False it is only left out, the file untouched).
 
     A complete line that is not valid JSON is an error naming file:line: it is not a crash artefact.
     """
@@ -58,7 +59,7 @@ def read_done(out_path: str | Path) -> list[str]:
         return []
     data = path.read_bytes()
     end = data.rfind(b"\n") + 1
-    if end < len(data):
+    if end < len(data) and repair:
         with path.open("r+b") as f:
             f.truncate(end)
             f.flush()
@@ -131,9 +132,9 @@ def check_settings(out_path: str | Path, settings: dict) -> None:
 
 def pending(conversations: list[dict], tok, out_path: str | Path, max_prompt_tokens: int, *, thinking=False) -> int:
     """How many replies `regenerate` would still write: eligible conversations (prompt within max_prompt_tokens)
-    whose id is not yet in `out_path`."""
+    whose id is not yet in `out_path` (read only: `regenerate` repairs a torn last line, after checking settings)."""
     eligible, _ = plan(conversations, tok, max_prompt_tokens, thinking=thinking)
-    done = set(read_done(out_path))
+    done = set(read_done(out_path, repair=False))
     return sum(e[0] not in done for e in eligible)
 
 

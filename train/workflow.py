@@ -111,9 +111,11 @@ def announce_start(cfg, *, regen_todo: int = 0) -> None:
         r = cfg.data.regenerate
         mins = regen_todo * int(r.max_new_tokens) * 0.8 / REGEN_TOKENS_PER_S / 60
         parts.append(f"regenerate {regen_todo} replies with the target (~{mins:.0f} min, once: cached for later runs)")
-    steps = cfg.train.steps if cfg.train.steps is not None else f"{cfg.train.epochs} epochs of"
+    t = cfg.train
+    length = f"{t.steps} steps" if t.steps is not None else f"{t.epochs} epoch{'' if t.epochs == 1 else 's'}"
     parts.append(
-        f"train a K={cfg.block_size} drafter for {steps} steps of {cfg.train.batch_size} sequences, "
+        f"train a K={cfg.block_size} drafter for {length} ({t.batch_size} sequence{'' if t.batch_size == 1 else 's'} a "
+        "step), "
         f"checkpointing to {cfg.checkpoint.dir or run_path(cfg.run_dir, 'checkpoints')}"
     )
     if bool(cfg.export.enabled):
