@@ -391,24 +391,29 @@ def save_hf_target(model: nnx.Module, out_dir: str | Path, dtype: str | None = N
     return out
 
 
+def _is_gguf(path: Path) -> bool:
+    """True for a .gguf file, False for an HF directory; anything else is an error."""
+    if path.suffix == ".gguf":
+        return True
+    if path.is_dir():
+        return False
+    raise CheckpointError(f"{path}: expected an HF model directory (config.json + *.safetensors) or a .gguf file")
+
+
 def load_target_config(path: str | Path, *, dtype: str | None = None) -> TargetConfig:
     """The architecture of an HF directory (its config.json) or a .gguf file (its metadata), no weights read."""
     path = Path(path)
-    if path.suffix == ".gguf":
+    if _is_gguf(path):
         return GGUFSource(path).config(dtype=dtype or "float32")
-    if path.is_dir():
-        return load_hf_config(path, dtype=dtype)
-    raise CheckpointError(f"{path}: expected an HF model directory (config.json + *.safetensors) or a .gguf file")
+    return load_hf_config(path, dtype=dtype)
 
 
 def load_target(path: str | Path, *, dtype: str | None = None, mesh=None):
     """An HF directory or a .gguf file."""
     path = Path(path)
-    if path.suffix == ".gguf":
+    if _is_gguf(path):
         return load_gguf_target(path, dtype=dtype or "float32", mesh=mesh)
-    if path.is_dir():
-        return load_hf_target(path, dtype=dtype, mesh=mesh)
-    raise CheckpointError(f"{path}: expected an HF model directory (config.json + *.safetensors) or a .gguf file")
+    return load_hf_target(path, dtype=dtype, mesh=mesh)
 
 
 __all__ = [

@@ -25,14 +25,13 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from data import assets
 from dflash_model.config import preset
 from dflash_model.drafter import Drafter
 from dflash_model.sharding import batch_sharding, param_specs
 from dflash_model.target import build_target
 from dflash_model.weights import load_target_config
 from train.step import Program, make_optimizer, optimizer_shardings, train_step
-from train.trainer import drafter_config, resolve_mesh
+from train.trainer import drafter_config, resolve_mesh, target_path
 
 GIB = 1 << 30
 
@@ -125,9 +124,7 @@ def plan(cfg, pod: Pod) -> dict:
     mesh = resolve_mesh(cfg, jax.devices()[: pod.devices])
     t = cfg.target
     if t.path is not None:
-        path = str(t.path)
-        path = assets.path(path.split(":", 1)[1]) if path.startswith("asset:") else path
-        tcfg = load_target_config(path, dtype=t.dtype)
+        tcfg = load_target_config(target_path(t.path), dtype=t.dtype)
     else:
         tcfg = preset(t.preset).replace(**dict(t.arch), dtype=t.dtype)
     dcfg = drafter_config(cfg, tcfg)

@@ -113,9 +113,9 @@ def announce_start(cfg, *, regen_todo: int = 0) -> None:
         parts.append(f"regenerate {regen_todo} replies with the target (~{mins:.0f} min, once: cached for later runs)")
     t = cfg.train
     length = f"{t.steps} steps" if t.steps is not None else f"{t.epochs} epoch{'' if t.epochs == 1 else 's'}"
+    per_step = f"{t.batch_size} sequence{'' if t.batch_size == 1 else 's'} a step"
     parts.append(
-        f"train a K={cfg.block_size} drafter for {length} ({t.batch_size} sequence{'' if t.batch_size == 1 else 's'} a "
-        "step), "
+        f"train a K={cfg.block_size} drafter for {length} ({per_step}), "
         f"checkpointing to {cfg.checkpoint.dir or run_path(cfg.run_dir, 'checkpoints')}"
     )
     if bool(cfg.export.enabled):
