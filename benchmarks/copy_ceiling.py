@@ -37,7 +37,7 @@ from data.conversations import tokenize_conversation  # noqa: E402
 from dflash_model.target import embedding_table, lm_head_weight  # noqa: E402
 from infer.loading import load_target_spec  # noqa: E402
 from train.config import load_config  # noqa: E402
-from train.copy_init import _ridge, _rms, collect, predictable_codes, slow_rope_dims  # noqa: E402
+from train.copy_init import collect, predictable_codes, ridge_fit, slow_rope_dims, unit_rms  # noqa: E402
 from train.trainer import drafter_config  # noqa: E402
 from train.workflow import regenerated_path  # noqa: E402
 
@@ -92,19 +92,19 @@ def main(argv=None) -> dict:
     head = full_head[:, vocab]  # [D, V']
     in_vocab = np.zeros(full_head.shape[1], bool)
     in_vocab[vocab] = True
-    e_hat = _rms(np.asarray(embedding_table(target.model), np.float32))
+    e_hat = unit_rms(np.asarray(embedding_table(target.model), np.float32))
 
-    feats = np.concatenate([_rms(x[1][1:]) for x in fit])
+    feats = np.concatenate([unit_rms(x[1][1:]) for x in fit])
     cur = np.concatenate([x[0][1:] for x in fit])
     prev = np.concatenate([x[0][:-1] for x in fit])
     code, w_key = predictable_codes(e_hat, cur, feats, cfg.drafter.mask_token_id, groups * dims, RIDGE)
-    w_val = _ridge(feats, np.concatenate([x[2][1:] for x in fit]), RIDGE)
+    w_val = ridge_fit(feats, np.concatenate([x[2][1:] for x in fit]), RIDGE)
     if args.slot2:
         code_prev, w_prev = predictable_codes(e_hat, prev, feats, cfg.drafter.mask_token_id, groups * dims, RIDGE)
 
     hits, total = collections.Counter(), collections.Counter()
     for (ids, f, final), mask in zip(test, reply):
-        f = _rms(f)
+        f = unit_rms(f)
         keys = (f @ w_key).reshape(len(ids), groups, dims)
         fitted = f @ w_val @ head
         exact = final @ head

@@ -358,6 +358,55 @@ def test_drafter_init_starts_from_an_exported_drafter(run30, tmp_path):
         )
 
 
+def test_drafter_init_layers_grows_an_export_that_drafts_the_same(run30, tmp_path):
+    """drafter.init_layers=[0, null, 1, null]: layers 0 and 2 are the export's 0 and 1, the new layers start as the
+    identity (o_proj and down_proj zero, their other weights random), so the grown drafter's block hidden equals
+    the export's; a mapping that does not fit is refused naming the key."""
+    import jax.numpy as jnp
+
+    from dflash_model.drafter import train_logits
+    from dflash_model.drafter_weights import load_drafter
+
+    export = run30[0] / "export"
+    _, exported = load_drafter(export, dtype="float32")
+    grow = ["drafter.num_layers=4", "drafter.init_layers=[0, null, 1, null]"]
+    tr = Trainer(
+        load_config("tiny", [f"run_dir={tmp_path / 'grow'}", f"drafter.init={export}", "seed=1", *grow]),
+        restore=False,
+    )
+    grown, want = _params(tr.drafter()), _params(exported)
+    for k, v in want.items():
+        name = ".".join(map(str, k))
+        mapped = tuple(p if i != 1 or k[0] != "layers" else {0: 0, 1: 2}[p] for i, p in enumerate(k))
+        np.testing.assert_array_equal(grown[mapped], v, err_msg=name)
+    for layer in (1, 3):
+        new = {k: v for k, v in grown.items() if k[:2] == ("layers", layer)}
+        zero = [k for k in new if k[-1] in ("o_proj", "down_proj")]
+        assert len(zero) == 2 and all(np.abs(new[k]).max() == 0.0 for k in zero)
+        assert all(np.abs(new[k]).max() > 1e-3 for k in new if k not in zero)  # the rest keep their random init
+
+    rng = np.random.default_rng(0)
+    tcfg = tr.target_cfg
+    tokens = jnp.asarray(rng.integers(0, tcfg.vocab_size - 1, (2, 32)), jnp.int32)
+    feats = jnp.asarray(rng.standard_normal((2, 32, exported.fc.get_value().shape[0])), jnp.float32)
+    anchors = jnp.asarray([[3, 10, 20], [5, 12, 22]], jnp.int32)
+    hid = lambda d: np.asarray(train_logits(d, tr.target, feats, tokens, anchors, 8, hidden_only=True))
+    np.testing.assert_allclose(hid(tr.drafter()), hid(exported), rtol=1e-5, atol=1e-5)
+
+    bad = {
+        "drafter.init_layers=[0, null, 2, null]": r"entry 2 is 2, not null or a layer of drafter.init=.*\(0..1\)",
+        "drafter.init_layers=[0, 1]": r"2 entries for drafter.num_layers=4",
+    }
+    for override, msg in bad.items():
+        with pytest.raises(ValueError, match=msg):
+            Trainer(
+                load_config("tiny", [f"run_dir={tmp_path / 'bad'}", f"drafter.init={export}", *grow, override]),
+                restore=False,
+            )
+    with pytest.raises(ValueError, match=r"drafter.init_layers=.*needs drafter.init to name a drafter directory"):
+        Trainer(load_config("tiny", [f"run_dir={tmp_path / 'bad2'}", *grow]), restore=False)
+
+
 def test_offline_features_are_keyed_by_the_token_ids(run30, tmp_path):
     """The feature cache is rebuilt when a record's tokens change (an edited data file under the same name) and
     reused when they do not."""

@@ -40,11 +40,11 @@ log = logging.getLogger(__name__)
 FIT_ROWS = 200  # training rows the fit reads at most (the default run has 151: ~1 min of target forwards here)
 
 
-def _rms(x: np.ndarray) -> np.ndarray:
+def unit_rms(x: np.ndarray) -> np.ndarray:
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + 1e-6)
 
 
-def _ridge(x: np.ndarray, y: np.ndarray, lam: float) -> np.ndarray:
+def ridge_fit(x: np.ndarray, y: np.ndarray, lam: float) -> np.ndarray:
     return np.linalg.solve(x.T @ x + lam * np.eye(x.shape[1]), x.T @ y)
 
 
@@ -74,7 +74,7 @@ def predictable_codes(e_hat: np.ndarray, ids: np.ndarray, feats: np.ndarray, mas
     keep = lam_e > 1e-6 * lam_e.max()
     whiten = vec[:, keep] / np.sqrt(lam_e[keep])  # [D, D']: unit variance per dim over the positions
     z = e @ whiten
-    w_z = _ridge(feats, z, lam)
+    w_z = ridge_fit(feats, z, lam)
     _, u = np.linalg.eigh(z.T @ (feats @ w_z) / len(z))  # z' P z (P the ridge hat matrix): ascending predictability
     best = u[:, ::-1][:, :n]
     return (whiten @ best).T, w_z @ best  # ridge fits are linear in their targets: the codes' map, not a refit
@@ -218,14 +218,14 @@ def fit_copy_circuit(
 
     data = collect(target_model, rows, cfg.target_layer_ids)
     ids = np.concatenate([x[0][1:] for x in data])  # position 0 (BOS-like, outsized features) is left out
-    feats = np.concatenate([_rms(x[1][1:]) for x in data])
+    feats = np.concatenate([unit_rms(x[1][1:]) for x in data])
     final = np.concatenate([x[2][1:] for x in data])
 
     # Token codes: the embedding directions (mean embedding and the mask token's projected out, so the mask codes
     # to 0) that a linear map of the features at a token's position predicts best, each at unit variance: the keys
     # are that map of the features (w_key), the queries read the embedding itself.
     emb = np.asarray(embedding_table(target_model), np.float32)
-    e_hat = _rms(emb)
+    e_hat = unit_rms(emb)
     code, w_key = predictable_codes(e_hat, ids, feats, cfg.mask_token_id, g * r, ridge)  # [g*r, D], [F, g*r]
 
     # Residual / context directions, least used by embeddings first: keys (D_k), the query subspace (S_q) and
@@ -240,7 +240,7 @@ def fit_copy_circuit(
 
     # Fitted maps from the (rms-normed) features: key = code of the token at p (above); value = the target's
     # final-normed hidden at p, cut to nv dims in the metric of the lm_head rows that score it.
-    w_val = _ridge(feats, final, ridge)  # [F, D]
+    w_val = ridge_fit(feats, final, ridge)  # [F, D]
     w_val, val_basis = _logit_preserving_rank(feats @ w_val, w_val, head_rows(target_model, ids), nv)
     key_part, token_code = feats @ w_key, e_hat[ids] @ code.T
     key_fit = np.mean(np.sum(key_part * token_code, -1)) / np.mean(np.sum(token_code**2, -1))

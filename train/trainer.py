@@ -119,14 +119,20 @@ def drafter_config(cfg, target_cfg):
     return dcfg
 
 
-def init_weights(drafter, dcfg, init_dir, target_cfg) -> None:
+def init_weights(drafter, dcfg, init_dir, target_cfg, layers=None) -> None:
     """Overwrite `drafter`'s parameters (in place) with a z-lab drafter directory's, cast to fp32.
 
     The directory's architecture must equal `dcfg` but for block_size (the weights do not depend on K) and dtype;
     a difference is an error naming drafter.init and the fields.
+
+    `layers` (drafter.init_layers) grows a loaded drafter: one entry per layer of `dcfg`, the directory's layer it
+    starts from, or None for a new layer that starts as the identity (its o_proj and down_proj zeroed, the rest as
+    `drafter` holds them), so the grown drafter starts out drafting exactly what the loaded one drafts.
     """
     icfg, loaded = load_drafter(init_dir, target_cfg, dtype="float32")
     icfg = icfg.replace(block_size=dcfg.block_size)
+    if layers is not None:
+        icfg = _grown_config(icfg, dcfg, list(layers), init_dir)
     if icfg != dcfg:
         diff = {
             f.name: (getattr(icfg, f.name), getattr(dcfg, f.name))
@@ -136,7 +142,48 @@ def init_weights(drafter, dcfg, init_dir, target_cfg) -> None:
         raise ValueError(
             f"drafter.init={init_dir}: its architecture differs from the config's (field: (checkpoint, config)): {diff}"
         )
-    nnx.update(drafter, nnx.state(loaded, nnx.Param))
+    if layers is None:
+        nnx.update(drafter, nnx.state(loaded, nnx.Param))
+        return
+    for name in ("fc", "hidden_norm", "norm"):
+        getattr(drafter, name).set_value(getattr(loaded, name).get_value())
+    for i, src in enumerate(layers):
+        if src is None:
+            attn, mlp = drafter.layers[i].self_attn, drafter.layers[i].mlp
+            attn.o_proj.set_value(jnp.zeros_like(attn.o_proj.get_value()))
+            mlp.down_proj.set_value(jnp.zeros_like(mlp.down_proj.get_value()))
+        else:
+            nnx.update(drafter.layers[i], nnx.state(loaded.layers[src], nnx.Param))
+
+
+def _grown_config(icfg, dcfg, layers: list, init_dir):
+    """The loaded drafter's config as drafter.init_layers grows it (to compare with the run's): a clear error for a
+    mapping that does not fit the two drafters."""
+    n_in = icfg.num_hidden_layers
+    types_in = icfg.layer_types or ("full_attention",) * n_in
+    types = dcfg.layer_types or ("full_attention",) * dcfg.num_hidden_layers
+    if len(layers) != dcfg.num_hidden_layers:
+        raise ValueError(
+            f"drafter.init_layers={layers}: {len(layers)} entries for drafter.num_layers={dcfg.num_hidden_layers}"
+        )
+    for i, src in enumerate(layers):
+        if src is None:
+            continue
+        if not isinstance(src, int) or not 0 <= src < n_in:
+            raise ValueError(
+                f"drafter.init_layers={layers}: entry {i} is {src!r}, not null or a layer of drafter.init={init_dir} "
+                f"(0..{n_in - 1})"
+            )
+        if types_in[src] != types[i]:
+            raise ValueError(
+                f"drafter.init_layers={layers}: layer {i} is {types[i]} but drafter.init={init_dir}'s layer {src} "
+                f"is {types_in[src]}"
+            )
+    return icfg.replace(
+        num_hidden_layers=dcfg.num_hidden_layers,
+        layer_types=dcfg.layer_types if (icfg.layer_types or dcfg.layer_types) else None,
+        sliding_window=dcfg.sliding_window if icfg.sliding_window is None else icfg.sliding_window,
+    )
 
 
 def check_token_ids(records, vocab_size: int, cfg) -> None:
@@ -278,6 +325,11 @@ class Trainer:
         )
         check_token_ids(records, self.target_cfg.vocab_size, cfg)
         drafter = build_drafter(self.drafter_cfg, seed=int(cfg.seed))
+        if cfg.drafter.get("init_layers") is not None and cfg.drafter.init in (None, "target", "copy"):
+            raise ValueError(
+                f"drafter.init_layers={list(cfg.drafter.init_layers)} grows a loaded drafter: it needs drafter.init "
+                f"to name a drafter directory, not {cfg.drafter.init!r}"
+            )
         if cfg.drafter.init is not None:
             if cfg.drafter.init_logit_std is not None:
                 raise ValueError(
@@ -292,7 +344,9 @@ class Trainer:
                     drafter, self.target, fit_rows, gamma=gamma_of(cfg), loss_positions=cfg.loss_positions
                 )
             else:
-                init_weights(drafter, self.drafter_cfg, cfg.drafter.init, self.target_cfg)
+                init_weights(
+                    drafter, self.drafter_cfg, cfg.drafter.init, self.target_cfg, cfg.drafter.get("init_layers")
+                )
         elif cfg.drafter.init_logit_std is not None:
             drafter = scale_output_norm(drafter, self.target, float(cfg.drafter.init_logit_std))
         drafter = shd.shard_model(drafter, self.mesh)
