@@ -5,7 +5,20 @@ import pytest
 from train.config import ConfigKeyError, cli_overrides, load_config, parse_value
 
 
-@pytest.mark.parametrize("name", ["smollm2-135m", "smollm2-135m-long", "qwen3-4b", "qwen3-8b", "llama-3.1-8b", "tiny"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "smollm2-135m",
+        "smollm2-135m-long",
+        "smollm2-135m-regen",
+        "smollm2-135m-more",
+        "smollm2-135m-grow",
+        "qwen3-4b",
+        "qwen3-8b",
+        "llama-3.1-8b",
+        "tiny",
+    ],
+)
 def test_presets_load(name):
     cfg = load_config(name)
     assert cfg.train.lr > 0 and cfg.block_size >= 2
@@ -20,6 +33,19 @@ def test_smollm2_default_is_k64():
     assert cfg.drafter.init == "copy" and cfg.loss_positions == 1
     assert load_config("smollm2-135m-long").loss_positions is None
     assert load_config("smollm2-135m-regen").loss_positions is None
+
+
+def test_grow_recipe_new_layers_are_the_fast_ones():
+    """The grow recipe's new layers (null in drafter.init_layers) are exactly the ones train.lr_ratio speeds up."""
+    from train.step import lr_ratio_of
+
+    cfg = load_config("smollm2-135m-grow")
+    layers = list(cfg.drafter.init_layers)
+    assert len(layers) == cfg.drafter.num_layers == len(cfg.drafter.layer_types)
+    ratios = dict(cfg.train.lr_ratio)
+    fast = [i for i in range(len(layers)) if lr_ratio_of(f"layers.{i}.self_attn.q_proj", ratios) > 1.0]
+    assert fast == [i for i, src in enumerate(layers) if src is None] == [1, 3]
+    assert lr_ratio_of("fc", ratios) == 1.0
 
 
 def test_new_choices_are_checked():
