@@ -407,6 +407,29 @@ def test_drafter_init_layers_grows_an_export_that_drafts_the_same(run30, tmp_pat
         Trainer(load_config("tiny", [f"run_dir={tmp_path / 'bad2'}", *grow]), restore=False)
 
 
+def test_grown_config_keeps_the_loaded_layer_types_and_window():
+    """drafter.init_layers over a [sliding, full] drafter: the recipe's mapping fits; a mapping that puts a sliding
+    layer where the run has a full one, or a run with another window, is refused or differs (never silently
+    re-masked)."""
+    from dflash_model.config import preset
+    from train.trainer import _grown_config, drafter_config
+
+    def dcfg(*overrides):
+        cfg = load_config("tiny", list(overrides))
+        return drafter_config(cfg, preset(cfg.target.preset).replace(**dict(cfg.target.arch)))
+
+    loaded = dcfg("drafter.layer_types=[sliding_attention,full_attention]", "drafter.sliding_window=2")
+    types = "drafter.layer_types=[sliding_attention,full_attention,full_attention,full_attention]"
+    run = dcfg("drafter.num_layers=4", types, "drafter.sliding_window=2")
+    assert _grown_config(loaded, run, [0, None, 1, None], "DIR") == run
+    with pytest.raises(ValueError, match=r"layer 0 is sliding_attention but drafter.init=DIR's layer 1 is full"):
+        _grown_config(loaded, run, [1, None, 0, None], "DIR")
+    with pytest.raises(ValueError, match=r"entry 1 is True"):
+        _grown_config(loaded, run, [0, True, 1, None], "DIR")
+    wider = dcfg("drafter.num_layers=4", types, "drafter.sliding_window=4")
+    assert _grown_config(loaded, wider, [0, None, 1, None], "DIR").sliding_window == 2  # differs: refused
+
+
 def test_offline_features_are_keyed_by_the_token_ids(run30, tmp_path):
     """The feature cache is rebuilt when a record's tokens change (an edited data file under the same name) and
     reused when they do not."""

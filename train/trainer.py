@@ -169,7 +169,7 @@ def _grown_config(icfg, dcfg, layers: list, init_dir):
     for i, src in enumerate(layers):
         if src is None:
             continue
-        if not isinstance(src, int) or not 0 <= src < n_in:
+        if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < n_in:
             raise ValueError(
                 f"drafter.init_layers={layers}: entry {i} is {src!r}, not null or a layer of drafter.init={init_dir} "
                 f"(0..{n_in - 1})"
@@ -179,10 +179,13 @@ def _grown_config(icfg, dcfg, layers: list, init_dir):
                 f"drafter.init_layers={layers}: layer {i} is {types[i]} but drafter.init={init_dir}'s layer {src} "
                 f"is {types_in[src]}"
             )
+    # The layer types now match the run's where mapped, and new layers take the run's. A sliding window is the
+    # loaded drafter's own when it has sliding layers (a copied sliding layer keeps its mask: a run that sets
+    # another window differs below); else the run's, which only new layers use.
     return icfg.replace(
         num_hidden_layers=dcfg.num_hidden_layers,
-        layer_types=dcfg.layer_types if (icfg.layer_types or dcfg.layer_types) else None,
-        sliding_window=dcfg.sliding_window if icfg.sliding_window is None else icfg.sliding_window,
+        layer_types=dcfg.layer_types,
+        sliding_window=icfg.sliding_window if icfg.layer_types is not None else dcfg.sliding_window,
     )
 
 
