@@ -267,6 +267,11 @@ def _validate(cfg: dict, schema: dict | None = None) -> None:
             f"drafter.target_layer_ids={list(d['target_layer_ids'])} has {len(d['target_layer_ids'])} "
             f"layers but drafter.n_features={d['n_features']}: set them to agree"
         )
+    if d["init_layers"] is not None and d["init"] in (None, "target", "copy"):
+        raise ValueError(
+            f"drafter.init_layers={list(d['init_layers'])} grows a loaded drafter: it needs drafter.init "
+            f"to name a drafter directory, not {d['init']!r}"
+        )
     if cfg["target"]["path"] is None and cfg["target"]["preset"] is None:
         raise ValueError("set target.path (real weights) or target.preset (random weights)")
 

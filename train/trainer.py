@@ -160,8 +160,6 @@ def _grown_config(icfg, dcfg, layers: list, init_dir):
     """The loaded drafter's config as drafter.init_layers grows it (to compare with the run's): a clear error for a
     mapping that does not fit the two drafters."""
     n_in = icfg.num_hidden_layers
-    types_in = icfg.layer_types or ("full_attention",) * n_in
-    types = dcfg.layer_types or ("full_attention",) * dcfg.num_hidden_layers
     if len(layers) != dcfg.num_hidden_layers:
         raise ValueError(
             f"drafter.init_layers={layers}: {len(layers)} entries for drafter.num_layers={dcfg.num_hidden_layers}"
@@ -174,10 +172,10 @@ def _grown_config(icfg, dcfg, layers: list, init_dir):
                 f"drafter.init_layers={layers}: entry {i} is {src!r}, not null or a layer of drafter.init={init_dir} "
                 f"(0..{n_in - 1})"
             )
-        if types_in[src] != types[i]:
+        if icfg.layer_type(src) != dcfg.layer_type(i):
             raise ValueError(
-                f"drafter.init_layers={layers}: layer {i} is {types[i]} but drafter.init={init_dir}'s layer {src} "
-                f"is {types_in[src]}"
+                f"drafter.init_layers={layers}: layer {i} is {dcfg.layer_type(i)} but drafter.init={init_dir}'s "
+                f"layer {src} is {icfg.layer_type(src)}"
             )
     # The layer types now match the run's where mapped, and new layers take the run's. A sliding window is the
     # loaded drafter's own when it has sliding layers (a copied sliding layer keeps its mask: a run that sets
@@ -328,11 +326,6 @@ class Trainer:
         )
         check_token_ids(records, self.target_cfg.vocab_size, cfg)
         drafter = build_drafter(self.drafter_cfg, seed=int(cfg.seed))
-        if cfg.drafter.get("init_layers") is not None and cfg.drafter.init in (None, "target", "copy"):
-            raise ValueError(
-                f"drafter.init_layers={list(cfg.drafter.init_layers)} grows a loaded drafter: it needs drafter.init "
-                f"to name a drafter directory, not {cfg.drafter.init!r}"
-            )
         if cfg.drafter.init is not None:
             if cfg.drafter.init_logit_std is not None:
                 raise ValueError(
@@ -347,9 +340,7 @@ class Trainer:
                     drafter, self.target, fit_rows, gamma=gamma_of(cfg), loss_positions=cfg.loss_positions
                 )
             else:
-                init_weights(
-                    drafter, self.drafter_cfg, cfg.drafter.init, self.target_cfg, cfg.drafter.get("init_layers")
-                )
+                init_weights(drafter, self.drafter_cfg, cfg.drafter.init, self.target_cfg, cfg.drafter.init_layers)
         elif cfg.drafter.init_logit_std is not None:
             drafter = scale_output_norm(drafter, self.target, float(cfg.drafter.init_logit_std))
         drafter = shd.shard_model(drafter, self.mesh)
