@@ -16,6 +16,7 @@ from dflash_model.drafter import DRAFTER_PRESETS, build_drafter, drafter_config_
 from dflash_model.tokenizer import load_tokenizer
 from dflash_model.weights import load_target
 from infer import proposers
+from infer.replies import load_index
 
 NGRAM_BLOCK = 8  # default K for prompt lookup: cheap drafts, and verify costs about the same up to here
 TREE_NODES = 16  # default draft-tree size (nodes besides the root) of 'tree:DIR'
@@ -91,7 +92,7 @@ def load_draft_spec(
 ) -> Draft:
     """'none' (plain decoding), 'ngram' (prompt lookup), 'random' (untrained DFlash drafter preset for the
     target), a DFlash drafter directory, or 'hybrid:' + one of the last two (n-gram where it matches, else
-    DFlash); 'adaptive:' before any but none verifies a width chosen per round. dtype: a directory's compute
+    DFlash); 'replies:FILE' (prompt lookup where the context matches, else a reply file's n-grams: infer.replies); 'adaptive:' before any but none verifies a width chosen per round. dtype: a directory's compute
     dtype (default: as saved); zero_features: the features.zero ablation (the drafter sees zeros instead of
     target features). 'tree:DIR' (or 'treeN:DIR', N nodes; default TREE_NODES) verifies a draft tree built from
     the drafter's per-position distributions (DDTree) instead of its greedy block. A directory's draft_vocab.json
@@ -128,6 +129,10 @@ def load_draft_spec(
     if spec == "ngram":
         k = block or NGRAM_BLOCK
         return Draft("ngram", proposers.NGramProposer(), None, k)
+    if spec.startswith("replies:"):
+        # Prompt lookup where the context matches, the target's past replies elsewhere (infer.replies).
+        index = load_index(spec.split(":", 1)[1], target_cfg.vocab_size)
+        return Draft("replies", proposers.ReplyLookupProposer(), index, block or NGRAM_BLOCK)
     if spec.startswith("hybrid:"):
         # Prompt lookup where the context has a match, this drafter's block elsewhere (proposers.HybridProposer).
         inner = load_inner(spec.split(":", 1)[1])
@@ -136,7 +141,7 @@ def load_draft_spec(
         cfg, drafter = random_drafter(target_cfg, seed=seed)
     else:
         if not Path(spec).is_dir():
-            raise ValueError(f"--draft {spec!r}: expected none, ngram, random, a drafter directory or hybrid:DIR")
+            raise ValueError(f"--draft {spec!r}: expected none, ngram, random, a drafter directory, hybrid:DIR or replies:FILE")
         cfg, drafter = drafter_weights.load_drafter(spec, target_cfg, dtype=dtype)
         vocab = drafter_weights.load_draft_vocab(spec, cfg.vocab_size)
         return dflash_draft("dflash", drafter, cfg, block, zero_features=zero_features, vocab=vocab)

@@ -1,5 +1,5 @@
-"""Draft proposers for the speculative engine: none (plain decoding), n-gram prompt lookup, DFlash, and the
-hybrid of the last two.
+"""Draft proposers for the speculative engine: none (plain decoding), n-gram prompt lookup, prompt lookup backed by
+the target's past replies, DFlash, and the hybrid of prompt lookup and DFlash.
 
 A proposer is a small frozen (hashable) object, static under jit, whose methods are pure functions of
 explicit arguments; its parameters (if any) travel separately as a pytree `params`. The engine calls:
@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_model.drafter import DraftCache, extend_context, propose_scored, propose_top
+from infer.replies import continue_rows
 
 # Where a row's drafts came from: an adaptive engine keeps a measured acceptance rate per source and position.
 # Lookups are split by how far back the context agrees with the match (its match length, in buckets): inside a
@@ -38,6 +39,12 @@ MATCH_BUCKETS = (1, 2, 3, 4, 8, 16)  # lower bounds of the lookup buckets (a mat
 # "lookup 4-7": a lookup whose match is 4 to 7 tokens long (one name per bucket of MATCH_BUCKETS).
 SOURCES = ("drafter", "repeat", "lookup 1", "lookup 2", "lookup 3", "lookup 4-7", "lookup 8-15", "lookup 16+")
 DRAFTER, REPEAT, LOOKUP = 0, 1, 2  # LOOKUP: the first lookup bucket
+# Reply lookup (infer.replies) is split by how often its first draft followed the n-gram in the replies: on
+# held-out prompts a first draft seen 80%+ of the time was accepted about half the time, one seen under 40% about
+# one time in ten (docs/results/decoding/replies/).
+REPLY_BUCKETS = (0.0, 0.4, 0.6, 0.8)  # lower bounds of the reply-lookup buckets
+SOURCES += ("replies <0.4", "replies 0.4-0.6", "replies 0.6-0.8", "replies 0.8+")
+REPLIES = SOURCES.index("replies <0.4")  # the first reply bucket
 
 
 def lookup_source(match_len_B):
@@ -152,6 +159,39 @@ class NGramProposer:
 
 
 @dataclasses.dataclass(frozen=True)
+class ReplyLookupProposer:
+    """Prompt lookup where the row's context has a match of at least `min_match` tokens; elsewhere the tokens the
+    target's own replies to other prompts most often continued the row's last tokens with (infer.replies).
+
+    `params` is the `ReplyIndex`. A short context match (1 token) is a weaker guess than a reply n-gram: on held-out
+    prompts taking the reply lookup there raised tau (docs/results/decoding/replies/)."""
+
+    ngram: NGramProposer = NGramProposer()
+    min_match: int = 2
+    layer_ids: tuple[int, ...] = ()
+    name: str = "replies"
+
+    def init(self, params, batch, capacity):
+        return ()
+
+    def observe(self, params, state, feats_BTF, num_new_B):
+        return state
+
+    def propose(self, params, target, state, history_BC, n_B, k):
+        return self.propose_scored(params, target, state, history_BC, n_B, k).tokens
+
+    def propose_scored(self, params, target, state, history_BC, n_B, k):
+        looked_up, match_len_B = self.ngram.lookup(history_BC, n_B, k)
+        from_context_B = match_len_B >= self.min_match
+        replied, prob_B, found_B = continue_rows(params, history_BC, n_B, k - 1)
+        bucket_B = jnp.sum(prob_B[:, None] >= jnp.asarray(REPLY_BUCKETS[1:])[None, :], axis=1)
+        source_B = jnp.where(found_B, REPLIES + bucket_B, REPEAT)  # not found: `replied` repeats the last token
+        source_B = jnp.where(from_context_B, lookup_source(match_len_B), source_B)
+        tokens = jnp.where(from_context_B[:, None], looked_up, replied)
+        return Proposal.unscored(tokens.astype(jnp.int32), source_B, False)
+
+
+@dataclasses.dataclass(frozen=True)
 class DFlashProposer:
     """The DFlash block-diffusion drafter: one drafter forward over [last, MASK x (K-1)] per round.
 
@@ -252,6 +292,7 @@ __all__ = [
     "NGramProposer",
     "NoProposer",
     "Proposal",
+    "ReplyLookupProposer",
     "last_tokens",
     "scored",
 ]

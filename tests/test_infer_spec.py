@@ -137,6 +137,34 @@ def test_batch_one_and_plain_engine():
     assert all(g.accept_lengths == [1] * (MAX_NEW - 1) and g.proposals == [[]] * (MAX_NEW - 1) for g in plain)
 
 
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_greedy_reply_lookup_equals_plain_greedy(adaptive):
+    """Reply lookup over an index of other prompts' greedy replies (and a corrupted copy of these prompts', so
+    drafts are both accepted and rejected) equals plain greedy at batch 2 and 1, fixed and adaptive width; its
+    drafts come from the reply sources where the context has no 2-token match, and some are accepted."""
+    from infer.proposers import REPLIES, ReplyLookupProposer
+    from infer.replies import build_index
+
+    prompts = _prompts(seed=4)
+    ref = _plain("qwen3", prompts)
+    other = _prompts(seed=5)
+    corrupt = [[t if i % 5 else (t + 1) % 512 for i, t in enumerate(r)] for r in ref]
+    rows = [(p, r) for p, r in zip(other, _plain("qwen3", other))] + list(zip(prompts, corrupt))
+    ids = np.concatenate([p + r for p, r in rows]).astype(np.int32)
+    mask = np.concatenate([[False] * len(p) + [True] * len(r) for p, r in rows])
+    index = build_index(ids, mask, np.cumsum([0] + [len(p) + len(r) for p, r in rows]))
+    engine = Engine(
+        _target("qwen3"), ReplyLookupProposer(), index, block_size=8, max_new_tokens=MAX_NEW, adaptive=adaptive
+    )
+    if adaptive:
+        engine.costs = {"widths": [1, 2, 4, 8], "verify_ms": [1.0, 1.1, 1.3, 1.8], "draft_ms": 0.0}
+    state = engine.decode(engine.prefill(*engine.inputs(prompts)))
+    assert [g.tokens for g in engine.results(state)] == ref
+    assert [engine.generate([p])[0].tokens for p in prompts] == ref
+    tries, hits = np.asarray(state.tries), np.asarray(state.hits)
+    assert tries[REPLIES:].sum() > 0 and hits[REPLIES:, 0].sum() > 0, (tries, hits)
+
+
 # --- DFlash ------------------------------------------------------------------------------------------------
 
 
