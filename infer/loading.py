@@ -92,7 +92,8 @@ def load_draft_spec(
 ) -> Draft:
     """'none' (plain decoding), 'ngram' (prompt lookup), 'random' (untrained DFlash drafter preset for the
     target), a DFlash drafter directory, or 'hybrid:' + one of the last two (n-gram where it matches, else
-    DFlash); 'replies:FILE' (prompt lookup where the context matches, else a reply file's n-grams: infer.replies); 'adaptive:' before any but none verifies a width chosen per round. dtype: a directory's compute
+    DFlash); 'replies:FILE' (prompt lookup where the context matches, else a reply file's n-grams:
+    infer.replies); 'adaptive:' before any but none verifies a width chosen per round. dtype: a directory's compute
     dtype (default: as saved); zero_features: the features.zero ablation (the drafter sees zeros instead of
     target features). 'tree:DIR' (or 'treeN:DIR', N nodes; default TREE_NODES) verifies a draft tree built from
     the drafter's per-position distributions (DDTree) instead of its greedy block. A directory's draft_vocab.json
@@ -141,7 +142,9 @@ def load_draft_spec(
         cfg, drafter = random_drafter(target_cfg, seed=seed)
     else:
         if not Path(spec).is_dir():
-            raise ValueError(f"--draft {spec!r}: expected none, ngram, random, a drafter directory, hybrid:DIR or replies:FILE")
+            raise ValueError(
+                f"--draft {spec!r}: expected none, ngram, random, a drafter directory, hybrid:DIR or replies:FILE"
+            )
         cfg, drafter = drafter_weights.load_drafter(spec, target_cfg, dtype=dtype)
         vocab = drafter_weights.load_draft_vocab(spec, cfg.vocab_size)
         return dflash_draft("dflash", drafter, cfg, block, zero_features=zero_features, vocab=vocab)

@@ -194,7 +194,8 @@ def main(argv=None) -> int:
     arrays = stored_replies(records)
     save_replies(args.out, arrays, target.config.vocab_size)
     replies, tokens = len(arrays["offsets"]) - 1, int(arrays["loss_mask"].sum())
-    print(f"{args.out}: {replies} replies, {tokens} reply tokens, {args.out.stat().st_size / 1e6:.2f} MB", file=sys.stderr)
+    size_mb = args.out.stat().st_size / 1e6
+    print(f"{args.out}: {replies} replies, {tokens} reply tokens, {size_mb:.2f} MB", file=sys.stderr)
     return 0
 
 

@@ -116,7 +116,8 @@ def test_reply_file_round_trip_and_refusals(tmp_path):
     arrays = stored_replies(records)
     offs = arrays["offsets"]
     spans = [arrays["input_ids"][offs[i] : offs[i + 1]].tolist() for i in range(len(offs) - 1)]
-    assert spans == [header[3:] + [1, 2, 3, 4], (header + [1, 2, 3, 4, 200, 201])[-MAX_ORDER:] + [5, 6, 7], [300, 301, 1, 2, 9]]
+    second = (header + [1, 2, 3, 4, 200, 201])[-MAX_ORDER:] + [5, 6, 7]
+    assert spans == [header[3:] + [1, 2, 3, 4], second, [300, 301, 1, 2, 9]]
     path = tmp_path / "r.npz"
     save_replies(path, arrays, vocab_size=512)
     index = load_index(path, 512, min_n=2, max_n=2)
@@ -158,3 +159,24 @@ def test_cli_stores_the_assistant_turns_of_a_jsonl(tmp_path, smollm2):
         reply = tok.decode(span[mask[offs[i] : offs[i + 1]]])
         assert reply == r["messages"][1]["content"] + "<|im_end|>"
         assert tok.decode(span[~mask[offs[i] : offs[i + 1]]]).endswith("assistant\n")
+
+
+def test_draft_spec_loads_a_reply_file(tmp_path):
+    """`replies:FILE` (and adaptive:replies:FILE) load the file's index into a ReplyLookupProposer at the n-gram
+    block size unless a block is given; a missing file is refused naming it."""
+    from types import SimpleNamespace
+
+    from infer.loading import NGRAM_BLOCK, load_draft_spec
+    from infer.proposers import ReplyLookupProposer
+
+    rng = np.random.default_rng(2)
+    records = TokenizedRecords.from_examples([{"input_ids": i, "loss_mask": m} for i, m in _records(rng, 5)])
+    save_replies(tmp_path / "r.npz", stored_replies(records), vocab_size=512)
+    cfg = SimpleNamespace(vocab_size=512)
+    draft = load_draft_spec(f"replies:{tmp_path / 'r.npz'}", cfg)
+    assert isinstance(draft.proposer, ReplyLookupProposer) and draft.block_size == NGRAM_BLOCK
+    assert draft.params.keys_A.shape[0] > 0 and not draft.adaptive
+    adaptive = load_draft_spec(f"adaptive:replies:{tmp_path / 'r.npz'}", cfg, block=16)
+    assert adaptive.adaptive and adaptive.block_size == 16 and adaptive.name == "adaptive-replies"
+    with pytest.raises(ValueError, match=r"missing\.npz: not a reply file"):
+        load_draft_spec(f"replies:{tmp_path / 'missing.npz'}", cfg)
