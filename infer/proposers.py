@@ -161,7 +161,8 @@ class NGramProposer:
 @dataclasses.dataclass(frozen=True)
 class ReplyLookupProposer:
     """Prompt lookup where the row's context has a match of at least `min_match` tokens; elsewhere the tokens the
-    target's own replies to other prompts most often continued the row's last tokens with (infer.replies).
+    target's own replies to other prompts most often continued the row's last tokens with (infer.replies), or a
+    shorter context match where the replies have none.
 
     `params` is the `ReplyIndex`. A short context match (1 token) is a weaker guess than a reply n-gram: on held-out
     prompts taking the reply lookup there raised tau (docs/results/decoding/replies/)."""
@@ -182,8 +183,9 @@ class ReplyLookupProposer:
 
     def propose_scored(self, params, target, state, history_BC, n_B, k):
         looked_up, match_len_B = self.ngram.lookup(history_BC, n_B, k)
-        from_context_B = match_len_B >= self.min_match
         replied, prob_B, found_B = continue_rows(params, history_BC, n_B, k - 1)
+        # A short context match still beats repeating the last token where the replies have nothing.
+        from_context_B = (match_len_B >= self.min_match) | (~found_B & (match_len_B > 0))
         bucket_B = jnp.sum(prob_B[:, None] >= jnp.asarray(REPLY_BUCKETS[1:])[None, :], axis=1)
         source_B = jnp.where(found_B, REPLIES + bucket_B, REPEAT)  # not found: `replied` repeats the last token
         source_B = jnp.where(from_context_B, lookup_source(match_len_B), source_B)

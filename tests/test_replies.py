@@ -180,3 +180,36 @@ def test_draft_spec_loads_a_reply_file(tmp_path):
     assert adaptive.adaptive and adaptive.block_size == 16 and adaptive.name == "adaptive-replies"
     with pytest.raises(ValueError, match=r"missing\.npz: not a reply file"):
         load_draft_spec(f"replies:{tmp_path / 'missing.npz'}", cfg)
+
+
+def test_reply_lookup_takes_context_matches_then_replies_then_short_matches():
+    """Per row: a context match of 2+ tokens gives prompt lookup's continuation; otherwise the replies' (its source
+    bucketed by the first draft's frequency); a 1-token context match where the replies have nothing gives the
+    lookup; nothing at all repeats the last token."""
+    from infer.proposers import REPEAT, REPLIES, SOURCES, NGramProposer, ReplyLookupProposer
+
+    reply = [40, 41, 42, 43, 44]  # indexed twice: [40, 41] -> 42 always (prob 1), and so on
+    other = [40, 41, 50]  # [40, 41] -> 50 once: prob 2/3 for 42
+    records = [([1] + reply, [False] + [True] * 5)] * 2 + [([1] + other, [False, True, True, True])]
+    index = build_index(*_flat(records), min_n=2, max_n=3)
+    rows = [
+        [7, 8, 9, 7, 8],  # [7, 8] seen before: lookup -> 9, 7, 8, 9
+        [3, 40, 41],  # no context match; replies: [40, 41] -> 42 (2 of 3), [40, 41, 42] -> 43, ...
+        [5, 6, 5, 60],  # [5, 60] unseen, [60] unseen; 1-token match? [60] no; repeat
+        [5, 60, 5],  # 1-token match [5] at 0 -> 60; replies have nothing for [60, 5]
+    ]
+    history = np.zeros((len(rows), 12), np.int32)
+    for b, r in enumerate(rows):
+        history[b, : len(r)] = r
+    n = jnp.asarray([len(r) for r in rows], jnp.int32)
+    prop = ReplyLookupProposer().propose_scored(index, None, (), jnp.asarray(history), n, 5)
+    assert np.asarray(prop.tokens).tolist() == [[9, 7, 8, 9], [42, 43, 44, 44], [60] * 4, [60, 5, 60, 5]]
+    looked_up, match_len = NGramProposer().lookup(jnp.asarray(history), n, 5)
+    assert np.asarray(match_len).tolist() == [2, 0, 0, 1]
+    assert [SOURCES[s] for s in np.asarray(prop.source).tolist()] == [
+        "lookup 2",
+        "replies 0.6-0.8",
+        SOURCES[REPEAT],
+        "lookup 1",
+    ]
+    assert SOURCES[REPLIES] == "replies <0.4" and not bool(prop.drafted)
