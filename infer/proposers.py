@@ -79,42 +79,40 @@ def last_tokens(history_BC, n_B):
     return jnp.take_along_axis(history_BC, (n_B - 1)[:, None], axis=1)[:, 0]
 
 
-@dataclasses.dataclass(frozen=True)
-class NoProposer:
-    """No drafts: with K = 1 the engine is plain autoregressive decoding (the speedup denominator)."""
+class Stateless:
+    """The engine hooks of a proposer that reads no target features and keeps no state between rounds."""
 
     layer_ids: tuple[int, ...] = ()
-    name: str = "none"
 
     def init(self, params, batch, capacity):
         return ()
 
     def observe(self, params, state, feats_BTF, num_new_B):
         return state
+
+
+@dataclasses.dataclass(frozen=True)
+class NoProposer(Stateless):
+    """No drafts: with K = 1 the engine is plain autoregressive decoding (the speedup denominator)."""
+
+    name: str = "none"
 
     def propose(self, params, target, state, history_BC, n_B, k):
         return jnp.zeros((history_BC.shape[0], k - 1), jnp.int32)
 
 
 @dataclasses.dataclass(frozen=True)
-class NGramProposer:
+class NGramProposer(Stateless):
     """Prompt lookup: find the most recent earlier occurrence of the row's last n tokens (longest n first,
     max_n down to min_n) and propose the tokens that followed it. Needs no model and no state."""
 
     max_n: int = 3
     min_n: int = 1
-    layer_ids: tuple[int, ...] = ()
     name: str = "ngram"
 
     def __post_init__(self):
         if not 1 <= self.min_n <= self.max_n:
             raise ValueError(f"n-gram sizes need 1 <= min_n <= max_n, got {self.min_n}..{self.max_n}")
-
-    def init(self, params, batch, capacity):
-        return ()
-
-    def observe(self, params, state, feats_BTF, num_new_B):
-        return state
 
     def propose(self, params, target, state, history_BC, n_B, k):
         return self.propose_scored(params, target, state, history_BC, n_B, k).tokens
@@ -159,7 +157,7 @@ class NGramProposer:
 
 
 @dataclasses.dataclass(frozen=True)
-class ReplyLookupProposer:
+class ReplyLookupProposer(Stateless):
     """Prompt lookup where the row's context has a match of at least `min_match` tokens; elsewhere the tokens the
     target's own replies to other prompts most often continued the row's last tokens with (infer.replies), or a
     shorter context match where the replies have none.
@@ -169,14 +167,7 @@ class ReplyLookupProposer:
 
     ngram: NGramProposer = NGramProposer()
     min_match: int = 2
-    layer_ids: tuple[int, ...] = ()
     name: str = "replies"
-
-    def init(self, params, batch, capacity):
-        return ()
-
-    def observe(self, params, state, feats_BTF, num_new_B):
-        return state
 
     def propose(self, params, target, state, history_BC, n_B, k):
         return self.propose_scored(params, target, state, history_BC, n_B, k).tokens
