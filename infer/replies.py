@@ -101,10 +101,12 @@ def find(index: ReplyIndex, tail_BN, avail_B):
     b = tail_BN.shape[0]
     token, prob, found = jnp.zeros((b,), jnp.int32), jnp.zeros((b,), jnp.float32), jnp.zeros((b,), bool)
     size = index.keys_A.shape[0]
+    if size == 0:  # a file with no replies finds nothing
+        return token, prob, found
     for n in range(index.max_n, index.min_n - 1, -1):  # longest first: a row keeps its first hit
         h = ngram_hash(tail_BN[:, -n:], jnp)
-        at = jnp.clip(jnp.searchsorted(index.keys_A, h), 0, max(size - 1, 0))
-        hit = (index.keys_A[at] == h) & (avail_B >= n) & ~found if size else jnp.zeros((b,), bool)
+        at = jnp.clip(jnp.searchsorted(index.keys_A, h), 0, size - 1)
+        hit = (index.keys_A[at] == h) & (avail_B >= n) & ~found
         token = jnp.where(hit, index.next_A[at], token)
         prob = jnp.where(hit, index.prob_A[at], prob)
         found |= hit

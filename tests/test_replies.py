@@ -133,6 +133,9 @@ def test_reply_file_round_trip_and_refusals(tmp_path):
     np.savez(tmp_path / "old.npz", format=np.int64(0), vocab_size=np.int64(512), **arrays)
     with pytest.raises(ValueError, match=r"old\.npz: reply file format 0"):
         load_index(tmp_path / "old.npz", 512)
+    empty = build_index(np.zeros(3, np.int32), np.zeros(3, bool), np.asarray([0, 3]))  # no reply token at all
+    tokens, _, found = continue_rows(empty, history, jnp.asarray([2, 2]), 2)
+    assert np.asarray(tokens).tolist() == [[2, 2], [1, 1]] and not bool(jnp.any(found))
     with pytest.raises(ValueError, match="1 <= min_n <= max_n"):
         build_index(*_flat([(rec_ids[1], rec_mask[1])]), min_n=3, max_n=2)
 
