@@ -117,6 +117,8 @@ def continue_rows(index: ReplyIndex, history_BC, n_B, steps: int):
     """Each row's committed sequence (history_BC[b, :n_B[b]]) extended `steps` tokens by the index, each from the
     tokens before it, drafts included: ([B, steps] tokens, [B] prob of the first, [B] whether the first was found).
     Where the index has no n-gram the row's last token is repeated (any draft is free to be wrong)."""
+    if steps < 1:
+        raise ValueError(f"reply lookup drafts at least one token, got steps={steps}")
     back = jnp.arange(index.max_n) - index.max_n  # -max_n .. -1
     tail = jnp.take_along_axis(history_BC, jnp.maximum(n_B[:, None] + back[None, :], 0), axis=1)
     avail = jnp.minimum(n_B, index.max_n)
