@@ -1,12 +1,12 @@
-"""What reply lookup costs inside a round: `infer.replies.continue_rows` (drafting steps tokens from a reply file's
-index) timed alone in a jitted loop, at the widths a decode uses, beside a plain step's cost on the same machine for
-scale (a round costs at least one).
+"""What reply lookup costs inside a round: `infer.replies.continue_rows` (drafting `steps` tokens from a reply file's
+index) timed alone in a jitted loop, at the widths a decode uses.
 
   .venv/bin/python benchmarks/reply_lookup_cost.py [--replies drafters/smollm2-135m-replies/replies.npz] \
       [--steps 7,15] [--batch 1] [--out docs/results/decoding/replies/lookup-cost.json]
 
 The histories are windows of the stored replies themselves, so most lookups hit at the longest order, as they do
-in a decode's repetitive stretches.
+in a decode's repetitive stretches. Each call repeats the same history but its last token, so the binary searches
+mostly walk cached paths: a lower bound on what a decode's lookups cost.
 """
 
 from __future__ import annotations
@@ -24,8 +24,6 @@ import numpy as np
 
 from infer.replies import continue_rows, load_index
 from infer.spec import _loop_ms
-
-VOCAB = 49152  # SmolLM2's
 
 
 def lookup_ms(index, history_BC, n_B, steps: int, reps: int = 200) -> float:
@@ -51,8 +49,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    index = load_index(args.replies, VOCAB)
-    ids = np.load(Path(args.replies).expanduser())["input_ids"]
+    stored = np.load(Path(args.replies).expanduser())
+    index = load_index(args.replies, int(stored["vocab_size"]))
+    ids = stored["input_ids"]
     rng = np.random.default_rng(0)
     starts = rng.integers(0, len(ids) - 64, args.batch)
     history = jnp.asarray(np.stack([ids[s : s + 64] for s in starts]), jnp.int32)
@@ -65,7 +64,7 @@ def main(argv=None) -> dict:
     rep = {
         "command": " ".join(["python benchmarks/reply_lookup_cost.py", *map(shlex.quote, sys.argv[1:])]),
         "index_entries": int(index.keys_A.shape[0]),
-        "machine": platform.processor() or platform.machine(),
+        "machine": f"{platform.machine()}, {jax.devices()[0].platform}, {jax.device_count()} device(s)",
         "rows": rows,
     }
     if args.out:

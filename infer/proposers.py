@@ -39,9 +39,8 @@ MATCH_BUCKETS = (1, 2, 3, 4, 8, 16)  # lower bounds of the lookup buckets (a mat
 # "lookup 4-7": a lookup whose match is 4 to 7 tokens long (one name per bucket of MATCH_BUCKETS).
 SOURCES = ("drafter", "repeat", "lookup 1", "lookup 2", "lookup 3", "lookup 4-7", "lookup 8-15", "lookup 16+")
 DRAFTER, REPEAT, LOOKUP = 0, 1, 2  # LOOKUP: the first lookup bucket
-# Reply lookup (infer.replies) is split by how often its first draft followed the n-gram in the replies: on
-# held-out prompts a first draft seen 80%+ of the time was accepted about half the time, one seen under 40% about
-# one time in ten (docs/results/decoding/replies/).
+# Reply lookup (infer.replies) is split by how often its first draft followed its n-gram in the replies, so that an
+# adaptive engine measures the acceptance of a near-certain continuation apart from a guess among many.
 REPLY_BUCKETS = (0.0, 0.4, 0.6, 0.8)  # lower bounds of the reply-lookup buckets
 SOURCES += ("replies <0.4", "replies 0.4-0.6", "replies 0.6-0.8", "replies 0.8+")
 REPLIES = SOURCES.index("replies <0.4")  # the first reply bucket
@@ -90,6 +89,9 @@ class Stateless:
     def observe(self, params, state, feats_BTF, num_new_B):
         return state
 
+    def propose(self, params, target, state, history_BC, n_B, k):
+        return self.propose_scored(params, target, state, history_BC, n_B, k).tokens
+
 
 @dataclasses.dataclass(frozen=True)
 class NoProposer(Stateless):
@@ -113,9 +115,6 @@ class NGramProposer(Stateless):
     def __post_init__(self):
         if not 1 <= self.min_n <= self.max_n:
             raise ValueError(f"n-gram sizes need 1 <= min_n <= max_n, got {self.min_n}..{self.max_n}")
-
-    def propose(self, params, target, state, history_BC, n_B, k):
-        return self.propose_scored(params, target, state, history_BC, n_B, k).tokens
 
     def propose_scored(self, params, target, state, history_BC, n_B, k):
         drafts, match_len_B = self.lookup(history_BC, n_B, k)
@@ -162,15 +161,12 @@ class ReplyLookupProposer(Stateless):
     target's own replies to other prompts most often continued the row's last tokens with (infer.replies), or a
     shorter context match where the replies have none.
 
-    `params` is the `ReplyIndex`. A short context match (1 token) is a weaker guess than a reply n-gram: on held-out
-    prompts taking the reply lookup there raised tau (docs/results/decoding/replies/)."""
+    `params` is the `ReplyIndex`. A 1-token context match is a chance hit as often as not, while a reply n-gram has
+    2-4 tokens of context behind it, so the replies come first there."""
 
     ngram: NGramProposer = NGramProposer()
     min_match: int = 2
     name: str = "replies"
-
-    def propose(self, params, target, state, history_BC, n_B, k):
-        return self.propose_scored(params, target, state, history_BC, n_B, k).tokens
 
     def propose_scored(self, params, target, state, history_BC, n_B, k):
         looked_up, match_len_B = self.ngram.lookup(history_BC, n_B, k)

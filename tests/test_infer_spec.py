@@ -140,8 +140,8 @@ def test_batch_one_and_plain_engine():
 @pytest.mark.parametrize("adaptive", [False, True])
 def test_greedy_reply_lookup_equals_plain_greedy(adaptive):
     """Reply lookup over an index of other prompts' greedy replies (and a corrupted copy of these prompts', so
-    drafts are both accepted and rejected) equals plain greedy at batch 2 and 1, fixed and adaptive width; its
-    drafts come from the reply sources where the context has no 2-token match, and some are accepted."""
+    drafts are both accepted and rejected) equals plain greedy at batch 2 and 1, fixed and adaptive width; some
+    rounds draft from the replies, and some of those drafts are accepted."""
     from infer.proposers import REPLIES, ReplyLookupProposer
     from infer.replies import build_index
 

@@ -125,6 +125,7 @@ def test_reply_file_round_trip_and_refusals(tmp_path):
     tokens, prob, _ = continue_rows(index, history, jnp.asarray([2, 2]), 2)
     assert np.asarray(tokens).tolist() == [[3, 4], [2, 3]]  # [1, 2] -> 3 (once) or 9 (once): the smaller id
     np.testing.assert_allclose(np.asarray(prob), [0.5, 1.0])
+    assert continue_rows(index, history, jnp.asarray([2, 2]), 0)[0].shape == (2, 0)  # K = 1: nothing to draft
     with pytest.raises(ValueError, match=r"r\.npz: its replies were tokenized for a vocabulary of 512"):
         load_index(path, 1000)
     (tmp_path / "bad.npz").write_bytes(b"not a zip")
@@ -200,19 +201,30 @@ def test_reply_lookup_takes_context_matches_then_replies_then_short_matches():
         [3, 40, 41],  # no context match; replies: [40, 41] -> 42 (2 of 3), [40, 41, 42] -> 43, ...
         [5, 6, 5, 60],  # [5, 60] unseen, [60] unseen; 1-token match? [60] no; repeat
         [5, 60, 5],  # 1-token match [5] at 0 -> 60; replies have nothing for [60, 5]
+        [41, 3, 40, 41],  # 1-token match [41] at 0 -> 3, but the replies know [40, 41]: they come first
     ]
     history = np.zeros((len(rows), 12), np.int32)
     for b, r in enumerate(rows):
         history[b, : len(r)] = r
     n = jnp.asarray([len(r) for r in rows], jnp.int32)
     prop = ReplyLookupProposer().propose_scored(index, None, (), jnp.asarray(history), n, 5)
-    assert np.asarray(prop.tokens).tolist() == [[9, 7, 8, 9], [42, 43, 44, 44], [60] * 4, [60, 5, 60, 5]]
-    looked_up, match_len = NGramProposer().lookup(jnp.asarray(history), n, 5)
-    assert np.asarray(match_len).tolist() == [2, 0, 0, 1]
+    assert np.asarray(prop.tokens).tolist() == [
+        [9, 7, 8, 9],
+        [42, 43, 44, 44],
+        [60] * 4,
+        [60, 5, 60, 5],
+        [42, 43, 44, 44],
+    ]
+    _, match_len = NGramProposer().lookup(jnp.asarray(history), n, 5)
+    assert np.asarray(match_len).tolist() == [2, 0, 0, 1, 1]
     assert [SOURCES[s] for s in np.asarray(prop.source).tolist()] == [
         "lookup 2",
         "replies 0.6-0.8",
         SOURCES[REPEAT],
         "lookup 1",
+        "replies 0.6-0.8",
     ]
+    # min_match=1 would take the 1-token match of the last row instead.
+    short = ReplyLookupProposer(min_match=1).propose_scored(index, None, (), jnp.asarray(history), n, 5)
+    assert np.asarray(short.tokens)[4].tolist() == [3, 40, 41, 3]
     assert SOURCES[REPLIES] == "replies <0.4" and not bool(prop.drafted)
