@@ -46,10 +46,19 @@ SOURCES += ("replies <0.4", "replies 0.4-0.6", "replies 0.6-0.8", "replies 0.8+"
 REPLIES = SOURCES.index("replies <0.4")  # the first reply bucket
 
 
+def _bucket(value_B, lower_bounds):
+    """[B] index of the bucket each value falls in, buckets given by their ascending lower bounds."""
+    return jnp.sum(value_B[:, None] >= jnp.asarray(lower_bounds[1:])[None, :], axis=1).astype(jnp.int32)
+
+
 def lookup_source(match_len_B):
     """SOURCES index of a lookup whose match is match_len_B tokens long."""
-    bucket = jnp.sum(match_len_B[:, None] >= jnp.asarray(MATCH_BUCKETS[1:])[None, :], axis=1)
-    return (LOOKUP + bucket).astype(jnp.int32)
+    return LOOKUP + _bucket(match_len_B, MATCH_BUCKETS)
+
+
+def reply_source(prob_B):
+    """SOURCES index of a reply lookup whose first draft followed its n-gram this often (prob_B) in the replies."""
+    return REPLIES + _bucket(prob_B, REPLY_BUCKETS)
 
 
 @flax.struct.dataclass
@@ -173,8 +182,7 @@ class ReplyLookupProposer(Stateless):
         replied, prob_B, found_B = continue_rows(params, history_BC, n_B, k - 1)
         # A short context match still beats repeating the last token where the replies have nothing.
         from_context_B = (match_len_B >= self.min_match) | (~found_B & (match_len_B > 0))
-        bucket_B = jnp.sum(prob_B[:, None] >= jnp.asarray(REPLY_BUCKETS[1:])[None, :], axis=1)
-        source_B = jnp.where(found_B, REPLIES + bucket_B, REPEAT)  # not found: `replied` repeats the last token
+        source_B = jnp.where(found_B, reply_source(prob_B), REPEAT)  # not found: `replied` repeats the last token
         source_B = jnp.where(from_context_B, lookup_source(match_len_B), source_B)
         tokens = jnp.where(from_context_B[:, None], looked_up, replied)
         return Proposal.unscored(tokens.astype(jnp.int32), source_B, False)

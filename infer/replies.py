@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dflash_model.files import atomic_writer
+
 # Context tokens kept before each reply in a stored file: the longest n-gram an index can use.
 MAX_ORDER = 8
 FORMAT = 1  # bump when the stored file's layout changes
@@ -157,10 +159,8 @@ def stored_replies(records) -> dict[str, np.ndarray]:
 
 
 def save_replies(path: Path, arrays: dict[str, np.ndarray], vocab_size: int) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp.npz")
-    np.savez_compressed(tmp, format=np.int64(FORMAT), vocab_size=np.int64(vocab_size), **arrays)
-    tmp.replace(path)
+    with atomic_writer(path) as f:  # a crash leaves the old file or the new one
+        np.savez_compressed(f, format=np.int64(FORMAT), vocab_size=np.int64(vocab_size), **arrays)
 
 
 def load_index(path, vocab_size: int, *, min_n: int = 2, max_n: int = 4) -> ReplyIndex:
