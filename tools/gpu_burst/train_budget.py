@@ -1,0 +1,73 @@
+"""Train a config to a wall-clock deadline, then export: `python tools/gpu_burst/train_budget.py --deadline UNIX_TIME
+--config NAME [key=value ...]`.
+
+A device machine is lent for minutes, and a step's time on it is unknown until it runs. So: train `--probe` steps
+(the first compiles), take the median step time, and set the cosine schedule's length to the steps that fit before
+the deadline less one more compile (the schedule is a compile-time constant of the step: the new length compiles
+once). A timer sends SIGTERM shortly before the deadline in case the fit was optimistic: the trainer then stops at the
+next step, and the drafter is exported where it stands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from train.config import cli_overrides, load_config  # noqa: E402
+
+EXPORT_S = 20.0  # the export and the files after it
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--deadline", type=float, required=True, help="unix time by which the export must be written")
+    ap.add_argument("--probe", type=int, default=12, help="steps timed before the schedule is fitted")
+    args, rest = ap.parse_known_args(argv)
+    name, overrides = cli_overrides(rest)
+    cfg = load_config(name, overrides)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    logging.getLogger("absl").setLevel(logging.WARNING)
+    log = logging.getLogger("gpu_burst")
+
+    from train.trainer import Trainer
+
+    t0 = time.time()
+    trainer = Trainer(cfg, restore=False)
+    (trainer.run_dir / "config.yml").write_text(cfg.dump())
+    log.info("trainer built in %.0f s: %d batches an epoch", time.time() - t0, trainer.batches_per_epoch)
+    stop_at = args.deadline - EXPORT_S
+    # Between the trainer's own SIGTERM handlers (installed only inside train()) this one keeps the signal a request.
+    signal.signal(signal.SIGTERM, lambda signum, _frame: setattr(trainer, "_stop_signal", signum))
+    timer = threading.Timer(max(1.0, stop_at - time.time()), os.kill, (os.getpid(), signal.SIGTERM))
+    timer.start()
+    summary = trainer.train(max_steps=args.probe)
+    total = trainer.total_steps
+    if summary["stopped_by"] is None:
+        recs = [json.loads(line) for line in trainer.metrics_path.open()]
+        compile_s, step_s = recs[0]["step_s"], statistics.median(r["step_s"] for r in recs[1:] or recs)
+        fit = trainer.step + int((stop_at - time.time() - compile_s) / step_s)
+        total = max(trainer.step + 1, min(fit, trainer.batches_per_epoch * int(cfg.train.epochs)))
+        log.info("step %.3f s (first %.0f s): %d steps fit before the deadline", step_s, compile_s, total)
+        trainer.total_steps = total  # read by trainer.program(): the next train() compiles the fitted schedule
+        summary = trainer.train()
+    timer.cancel()  # the trainer has put the default SIGTERM handler back: a late one would kill the export
+    if "export" not in summary:
+        summary["export"] = str(trainer.export())
+    summary.update(total_steps=total, wall_s=time.time() - t0)
+    (trainer.run_dir / "budget_summary.json").write_text(json.dumps(summary, indent=1))
+    log.info("done: %s", summary)
+    return summary
+
+
+if __name__ == "__main__":
+    main()
