@@ -54,7 +54,7 @@ def dataset_messages(name: str, limit: int | None = None) -> list[dict]:
         if not path.is_file():
             raise SystemExit(f"--dataset {name!r}: expected one of {DATASETS} or a .jsonl file")
         rows = []
-        for i, line in enumerate(path.read_text(encoding="utf-8").splitlines()):
+        for i, line in enumerate(path.read_text(encoding="utf-8").split("\n")):  # not splitlines(): U+2028 is text
             if not line.strip():
                 continue
             r = json.loads(line)

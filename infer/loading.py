@@ -93,11 +93,12 @@ def load_draft_spec(
     """'none' (plain decoding), 'ngram' (prompt lookup), 'random' (untrained DFlash drafter preset for the
     target), a DFlash drafter directory, or 'hybrid:' + one of the last two (n-gram where it matches, else
     DFlash); 'replies:FILE' (prompt lookup where the context matches, else a reply file's n-grams:
-    infer.replies); 'adaptive:' before any but none verifies a width chosen per round. dtype: a directory's compute
-    dtype (default: as saved); zero_features: the features.zero ablation (the drafter sees zeros instead of
-    target features). 'tree:DIR' (or 'treeN:DIR', N nodes; default TREE_NODES) verifies a draft tree built from
-    the drafter's per-position distributions (DDTree) instead of its greedy block. A directory's draft_vocab.json
-    (the draft vocabulary it was trained on) restricts its proposals to those tokens; 'fullvocab:DIR' ignores it."""
+    infer.replies), 'replies:FILE+DIR' (that where it is confident, else the drafter's block); 'adaptive:' before
+    any but none verifies a width chosen per round. dtype: a directory's compute dtype (default: as saved);
+    zero_features: the features.zero ablation (the drafter sees zeros instead of target features). 'tree:DIR' (or
+    'treeN:DIR', N nodes; default TREE_NODES) verifies a draft tree built from the drafter's per-position
+    distributions (DDTree) instead of its greedy block. A directory's draft_vocab.json (the draft vocabulary it was
+    trained on) restricts its proposals to those tokens; 'fullvocab:DIR' ignores it."""
 
     def load_inner(inner_spec: str) -> Draft:  # the spec a prefix wraps, with this call's options
         return load_draft_spec(inner_spec, target_cfg, block, seed, dtype=dtype, zero_features=zero_features)
@@ -131,9 +132,17 @@ def load_draft_spec(
         k = block or NGRAM_BLOCK
         return Draft("ngram", proposers.NGramProposer(), None, k)
     if spec.startswith("replies:"):
-        # Prompt lookup where the context matches, the target's past replies elsewhere (infer.replies).
-        index = load_index(spec.split(":", 1)[1], target_cfg.vocab_size)
-        return Draft("replies", proposers.ReplyLookupProposer(), index, block or NGRAM_BLOCK)
+        # Prompt lookup where the context matches, the target's past replies elsewhere (infer.replies); with
+        # "+DIR", this drafter's block where neither is confident (proposers.ReplyHybridProposer).
+        file, _, drafter_dir = spec.split(":", 1)[1].partition("+")
+        index = load_index(file, target_cfg.vocab_size)
+        if not drafter_dir:
+            return Draft("replies", proposers.ReplyLookupProposer(), index, block or NGRAM_BLOCK)
+        inner = load_inner(drafter_dir)
+        if not isinstance(inner.proposer, proposers.DFlashProposer):
+            raise ValueError(f"--draft {spec!r}: replies:FILE+DIR needs a DFlash drafter directory (or random)")
+        proposer = proposers.ReplyHybridProposer(inner.proposer)
+        return dataclasses.replace(inner, name="replies-hybrid", proposer=proposer, params=(inner.params, index))
     if spec.startswith("hybrid:"):
         # Prompt lookup where the context has a match, this drafter's block elsewhere (proposers.HybridProposer).
         inner = load_inner(spec.split(":", 1)[1])

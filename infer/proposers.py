@@ -1,5 +1,5 @@
 """Draft proposers for the speculative engine: none (plain decoding), n-gram prompt lookup, prompt lookup backed by
-the target's past replies, DFlash, and the hybrid of prompt lookup and DFlash.
+the target's past replies, DFlash, and the hybrids of DFlash with either lookup.
 
 A proposer is a small frozen (hashable) object, static under jit, whose methods are pure functions of
 explicit arguments; its parameters (if any) travel separately as a pytree `params`. The engine calls:
@@ -178,14 +178,21 @@ class ReplyLookupProposer(Stateless):
     name: str = "replies"
 
     def propose_scored(self, params, target, state, history_BC, n_B, k):
+        tokens, source_B, _ = self.choose(params, history_BC, n_B, k)
+        return Proposal.unscored(tokens, source_B, False)
+
+    def choose(self, index, history_BC, n_B, k, min_prob: float = 1.0):
+        """([B, k-1] drafts, [B] their SOURCES index, [B] confident: a context match of `min_match`+ tokens or a
+        reply n-gram whose first draft followed it at least `min_prob` of the time)."""
         looked_up, match_len_B = self.ngram.lookup(history_BC, n_B, k)
-        replied, prob_B, found_B = continue_rows(params, history_BC, n_B, k - 1)
+        replied, prob_B, found_B = continue_rows(index, history_BC, n_B, k - 1)
         # A short context match still beats repeating the last token where the replies have nothing.
-        from_context_B = (match_len_B >= self.min_match) | (~found_B & (match_len_B > 0))
+        long_match_B = match_len_B >= self.min_match
+        from_context_B = long_match_B | (~found_B & (match_len_B > 0))
         source_B = jnp.where(found_B, reply_source(prob_B), REPEAT)  # not found: `replied` repeats the last token
         source_B = jnp.where(from_context_B, lookup_source(match_len_B), source_B)
-        tokens = jnp.where(from_context_B[:, None], looked_up, replied)
-        return Proposal.unscored(tokens.astype(jnp.int32), source_B, False)
+        tokens = jnp.where(from_context_B[:, None], looked_up, replied).astype(jnp.int32)
+        return tokens, source_B, long_match_B | (found_B & (prob_B >= min_prob))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -267,19 +274,58 @@ class HybridProposer:
 
     def propose_scored(self, params, target, state, history_BC, n_B, k):
         looked_up, match_len_B = self.ngram.lookup(history_BC, n_B, k)
-        found_B = match_len_B > 0
-        every_row_matched = jnp.all(found_B)
-        model = jax.lax.cond(
-            every_row_matched,
-            lambda: Proposal.unscored(looked_up, DRAFTER, False),  # placeholder source: every row takes the lookup
-            lambda: self.dflash.propose_scored(params, target, state, history_BC, n_B, k),
-        )
-        return Proposal(
-            jnp.where(found_B[:, None], looked_up, model.tokens).astype(jnp.int32),
-            jnp.where(found_B[:, None], jnp.nan, model.prob),
-            jnp.where(found_B, lookup_source(match_len_B), DRAFTER).astype(jnp.int32),
-            ~every_row_matched,
-        )
+        draft = lambda: self.dflash.propose_scored(params, target, state, history_BC, n_B, k)
+        return _drafter_where_unsure(match_len_B > 0, looked_up, lookup_source(match_len_B), draft)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplyHybridProposer:
+    """Reply lookup where it is confident (`ReplyLookupProposer.choose` with `min_prob`), the DFlash block elsewhere,
+    chosen per row and round. `params` is (drafter, ReplyIndex); the drafter's state is DFlash's, and its forward is
+    skipped when every row is confident. With a drafter whose first draft is accepted about as often as the
+    replies' on average, the replies' own confidence says where each is the better guess: a reply n-gram followed
+    by one token most of the time is accepted far more often than one followed by many."""
+
+    dflash: DFlashProposer
+    replies: ReplyLookupProposer = ReplyLookupProposer()
+    min_prob: float = 0.6
+    name: str = "replies-hybrid"
+
+    @property
+    def layer_ids(self) -> tuple[int, ...]:
+        return self.dflash.layer_ids
+
+    def init(self, params, batch, capacity):
+        return self.dflash.init(params[0], batch, capacity)
+
+    def observe(self, params, state, feats_BTF, num_new_B):
+        return self.dflash.observe(params[0], state, feats_BTF, num_new_B)
+
+    def propose(self, params, target, state, history_BC, n_B, k):
+        return self.propose_scored(params, target, state, history_BC, n_B, k).tokens
+
+    def propose_scored(self, params, target, state, history_BC, n_B, k):
+        drafter, index = params
+        tokens, source_B, confident_B = self.replies.choose(index, history_BC, n_B, k, self.min_prob)
+        draft = lambda: self.dflash.propose_scored(drafter, target, state, history_BC, n_B, k)
+        return _drafter_where_unsure(confident_B, tokens, source_B, draft)
+
+
+def _drafter_where_unsure(sure_B, tokens, source_B, draft) -> Proposal:
+    """The given drafts where sure_B, the drafter's (`draft()`, a Proposal) elsewhere; the drafter forward runs only
+    when some row is unsure (`lax.cond`: at batch 1 a sure round costs what a lookup round costs)."""
+    every_row_sure = jnp.all(sure_B)
+    model = jax.lax.cond(
+        every_row_sure,
+        lambda: Proposal.unscored(tokens, DRAFTER, False),  # placeholder: every row takes the given drafts
+        draft,
+    )
+    return Proposal(
+        jnp.where(sure_B[:, None], tokens, model.tokens).astype(jnp.int32),
+        jnp.where(sure_B[:, None], jnp.nan, model.prob),
+        jnp.where(sure_B, source_B, DRAFTER).astype(jnp.int32),
+        ~every_row_sure,
+    )
 
 
 __all__ = [
@@ -289,6 +335,7 @@ __all__ = [
     "NGramProposer",
     "NoProposer",
     "Proposal",
+    "ReplyHybridProposer",
     "ReplyLookupProposer",
     "last_tokens",
     "scored",

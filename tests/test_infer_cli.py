@@ -193,6 +193,13 @@ def test_shipped_drafter_loads_with_its_draft_vocabulary_unless_fullvocab():
     full = load_draft_spec("fullvocab:" + shipped, cfg)
     assert full.proposer.vocab is None and full.name == "fullvocab-dflash"
     assert load_draft_spec("hybrid:fullvocab:" + shipped, cfg).proposer.dflash.vocab is None
+    # replies:FILE+DIR: the reply index and the drafter together, the drafter keeping its vocabulary.
+    replies = str(REPO / "drafters" / "smollm2-135m-replies" / "replies.npz")
+    both = load_draft_spec(f"adaptive:replies:{replies}+{shipped}", cfg)
+    assert both.name == "adaptive-replies-hybrid" and both.adaptive and both.block_size == 16
+    assert both.proposer.dflash.vocab == tuple(vocab) and both.params[1].keys_A.shape[0] > 0
+    with pytest.raises(ValueError, match=r"replies:FILE\+DIR needs a DFlash drafter"):
+        load_draft_spec(f"replies:{replies}+ngram", cfg)
     with pytest.raises(ValueError, match="fullvocab: applies to a DFlash drafter directory"):
         load_draft_spec("fullvocab:ngram", cfg)
     # Two directories, each also over the full vocabulary, in one comparison: the second keeps its prefix.

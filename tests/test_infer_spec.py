@@ -362,6 +362,46 @@ def test_greedy_hybrid_equals_plain_greedy_and_looks_up_where_it_can(family):
     assert got[1].tolist() == drafted[1].tolist()
 
 
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_greedy_reply_hybrid_equals_plain_greedy_and_drafts_where_replies_are_unsure(adaptive):
+    """Reply lookup where it is confident, the DFlash block elsewhere: lossless at batch 2 and 1, fixed and adaptive
+    width, with rounds from both sources; per row, the drafter's block exactly where the replies are unsure."""
+    from infer.proposers import DRAFTER, REPLIES, ReplyHybridProposer
+    from infer.replies import build_index
+
+    k = 8
+    prompts = _prompts(seed=4)
+    ref = _plain("qwen3", prompts)
+    other = _prompts(seed=5)
+    corrupt = [[t if i % 5 else (t + 1) % 512 for i, t in enumerate(r)] for r in ref]
+    rows = [(p, r) for p, r in zip(other, _plain("qwen3", other))] + list(zip(prompts, corrupt))
+    ids = np.concatenate([p + r for p, r in rows]).astype(np.int32)
+    mask = np.concatenate([[False] * len(p) + [True] * len(r) for p, r in rows])
+    index = build_index(ids, mask, np.cumsum([0] + [len(p) + len(r) for p, r in rows]))
+    cfg, drafter = _tiny_drafter("qwen3")
+    proposer = ReplyHybridProposer(DFlashProposer(cfg), min_prob=0.99)
+    engine = Engine(
+        _target("qwen3"), proposer, (drafter, index), block_size=k, max_new_tokens=MAX_NEW, adaptive=adaptive
+    )
+    if adaptive:
+        engine.costs = {"widths": [1, 2, 4, 8], "verify_ms": [1.0, 1.1, 1.3, 1.8], "draft_ms": 0.5}
+    state = engine.decode(engine.prefill(*engine.inputs(prompts)))
+    assert [g.tokens for g in engine.results(state)] == ref
+    assert [engine.generate([p])[0].tokens for p in prompts] == ref
+    tries = np.asarray(state.tries)
+    assert tries[REPLIES:].sum() > 0 and tries[DRAFTER].sum() > 0, tries
+    # Per row: the replies' drafts where they are confident, the drafter's block elsewhere.
+    history = jnp.asarray([ref[0][:16], ref[1][:16]], jnp.int32)
+    n = jnp.asarray([16, 16], jnp.int32)
+    dstate = proposer.init((drafter, index), 2, 32)
+    got = proposer.propose_scored((drafter, index), _target("qwen3"), dstate, history, n, k)
+    mine, source, sure = proposer.replies.choose(index, history, n, k, proposer.min_prob)
+    drafted = proposer.dflash.propose(drafter, _target("qwen3"), dstate, history, n, k)
+    want = np.where(np.asarray(sure)[:, None], np.asarray(mine), np.asarray(drafted))
+    assert np.asarray(got.tokens).tolist() == want.tolist()
+    assert np.asarray(got.source).tolist() == np.where(np.asarray(sure), np.asarray(source), DRAFTER).tolist()
+
+
 # --- adaptive verify width -----------------------------------------------------------------------------------
 
 

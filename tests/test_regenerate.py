@@ -164,3 +164,13 @@ def test_read_done_drops_partial_line_and_rejects_corruption(tmp_path):
     with pytest.raises(ValueError, match=r"o\.jsonl:2"):
         read_done(out)
     assert read_done(tmp_path / "missing.jsonl") == []
+
+
+def test_read_done_keeps_unicode_line_separators_inside_a_record(tmp_path):
+    # A reply written with ensure_ascii=False keeps U+2028 / U+0085 raw; one such reply stopped a GPU run's
+    # check of its own output (str.splitlines() splits there).
+    out = tmp_path / "o.jsonl"
+    recs = [{"id": "a", "messages": [{"role": "assistant", "content": "one\u2028two\x85three"}]}, {"id": "b"}]
+    out.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs), encoding="utf-8")
+    assert "\u2028" in out.read_text(encoding="utf-8")
+    assert read_done(out) == ["a", "b"]

@@ -65,7 +65,9 @@ def read_done(out_path: str | Path, *, repair: bool = True) -> list[str]:
             f.flush()
             os.fsync(f.fileno())
     ids = []
-    for lineno, line in enumerate(data[:end].decode("utf-8").splitlines(), 1):
+    # split("\n"), not splitlines(): replies are written with ensure_ascii=False, so a U+2028 or U+0085 in a reply
+    # is in the file as is, and splitlines() would cut its record in two.
+    for lineno, line in enumerate(data[:end].decode("utf-8").split("\n")[:-1], 1):
         try:
             ids.append(json.loads(line)["id"])
         except (json.JSONDecodeError, KeyError, TypeError) as e:
