@@ -272,6 +272,10 @@ class HybridProposer:
     def propose(self, params, target, state, history_BC, n_B, k):
         return self.propose_scored(params, target, state, history_BC, n_B, k).tokens
 
+    def drafter(self, params):
+        """(the proposer whose forward a round may pay for, its params): what the engine times as a round's draft."""
+        return self.dflash, params
+
     def propose_scored(self, params, target, state, history_BC, n_B, k):
         looked_up, match_len_B = self.ngram.lookup(history_BC, n_B, k)
         draft = lambda: self.dflash.propose_scored(params, target, state, history_BC, n_B, k)
@@ -303,6 +307,9 @@ class ReplyHybridProposer:
 
     def propose(self, params, target, state, history_BC, n_B, k):
         return self.propose_scored(params, target, state, history_BC, n_B, k).tokens
+
+    def drafter(self, params):
+        return self.dflash, params[0]
 
     def propose_scored(self, params, target, state, history_BC, n_B, k):
         drafter, index = params

@@ -479,11 +479,13 @@ class Engine:
                 probe = lambda r, w=w: _probe_verify(self.target, self.proposer, st, r, width=w, k=max(k, w))
                 known[1][shape] = _loop_ms(probe, reps)
             verify_ms.append(known[1][shape])
-        # The cost of the model forward a round may pay: the hybrid's is its drafter's; n-gram lookup is nearly free.
-        model = getattr(self.proposer, "dflash", self.proposer)
+        # The cost of the model forward a round may pay: a hybrid's is its drafter's; a lookup is nearly free.
+        model, params = (
+            self.proposer.drafter(self.params) if hasattr(self.proposer, "drafter") else (self.proposer, self.params)
+        )
         draft_ms = 0.0
         if k > 1:
-            draft_ms = _loop_ms(lambda r: _probe_draft(self.target, model, self.params, st, r, k=k), reps)
+            draft_ms = _loop_ms(lambda r: _probe_draft(self.target, model, params, st, r, k=k), reps)
         # A wider verify never costs less; a measured dip is noise, and would make the choice chase it.
         self.costs = {
             "widths": list(self.widths),

@@ -384,6 +384,8 @@ def test_greedy_reply_hybrid_equals_plain_greedy_and_drafts_where_replies_are_un
         _target("qwen3"), proposer, (drafter, index), block_size=k, max_new_tokens=MAX_NEW, adaptive=adaptive
     )
     if adaptive:
+        # Calibration times the drafter's forward from the (drafter, index) params: a real cost, not the lookup's 0.
+        assert engine.calibrate(*engine.inputs(prompts), reps=2)["draft_ms"] > 0
         engine.costs = {"widths": [1, 2, 4, 8], "verify_ms": [1.0, 1.1, 1.3, 1.8], "draft_ms": 0.5}
     state = engine.decode(engine.prefill(*engine.inputs(prompts)))
     assert [g.tokens for g in engine.results(state)] == ref
