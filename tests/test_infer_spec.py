@@ -137,12 +137,9 @@ def test_batch_one_and_plain_engine():
     assert all(g.accept_lengths == [1] * (MAX_NEW - 1) and g.proposals == [[]] * (MAX_NEW - 1) for g in plain)
 
 
-@pytest.mark.parametrize("adaptive", [False, True])
-def test_greedy_reply_lookup_equals_plain_greedy(adaptive):
-    """Reply lookup over an index of other prompts' greedy replies (and a corrupted copy of these prompts', so
-    drafts are both accepted and rejected) equals plain greedy at batch 2 and 1, fixed and adaptive width; some
-    rounds draft from the replies, and some of those drafts are accepted."""
-    from infer.proposers import REPLIES, ReplyLookupProposer
+def _reply_case():
+    """(prompts, their plain greedy continuations, a reply index over other prompts' greedy replies and a corrupted
+    copy of these prompts' own, so that reply drafts are both accepted and rejected)."""
     from infer.replies import build_index
 
     prompts = _prompts(seed=4)
@@ -152,7 +149,17 @@ def test_greedy_reply_lookup_equals_plain_greedy(adaptive):
     rows = [(p, r) for p, r in zip(other, _plain("qwen3", other))] + list(zip(prompts, corrupt))
     ids = np.concatenate([p + r for p, r in rows]).astype(np.int32)
     mask = np.concatenate([[False] * len(p) + [True] * len(r) for p, r in rows])
-    index = build_index(ids, mask, np.cumsum([0] + [len(p) + len(r) for p, r in rows]))
+    return prompts, ref, build_index(ids, mask, np.cumsum([0] + [len(p) + len(r) for p, r in rows]))
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_greedy_reply_lookup_equals_plain_greedy(adaptive):
+    """Reply lookup over an index of other prompts' greedy replies (and a corrupted copy of these prompts', so
+    drafts are both accepted and rejected) equals plain greedy at batch 2 and 1, fixed and adaptive width; some
+    rounds draft from the replies, and some of those drafts are accepted."""
+    from infer.proposers import REPLIES, ReplyLookupProposer
+
+    prompts, ref, index = _reply_case()
     engine = Engine(
         _target("qwen3"), ReplyLookupProposer(), index, block_size=8, max_new_tokens=MAX_NEW, adaptive=adaptive
     )
@@ -367,17 +374,9 @@ def test_greedy_reply_hybrid_equals_plain_greedy_and_drafts_where_replies_are_un
     """Reply lookup where it is confident, the DFlash block elsewhere: lossless at batch 2 and 1, fixed and adaptive
     width, with rounds from both sources; per row, the drafter's block exactly where the replies are unsure."""
     from infer.proposers import DRAFTER, REPLIES, ReplyHybridProposer
-    from infer.replies import build_index
 
     k = 8
-    prompts = _prompts(seed=4)
-    ref = _plain("qwen3", prompts)
-    other = _prompts(seed=5)
-    corrupt = [[t if i % 5 else (t + 1) % 512 for i, t in enumerate(r)] for r in ref]
-    rows = [(p, r) for p, r in zip(other, _plain("qwen3", other))] + list(zip(prompts, corrupt))
-    ids = np.concatenate([p + r for p, r in rows]).astype(np.int32)
-    mask = np.concatenate([[False] * len(p) + [True] * len(r) for p, r in rows])
-    index = build_index(ids, mask, np.cumsum([0] + [len(p) + len(r) for p, r in rows]))
+    prompts, ref, index = _reply_case()
     cfg, drafter = _tiny_drafter("qwen3")
     proposer = ReplyHybridProposer(DFlashProposer(cfg), min_prob=0.99)
     engine = Engine(
