@@ -33,7 +33,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from data.conversations import tokenize_conversation  # noqa: E402
+from data.conversations import iter_jsonl, tokenize_conversation  # noqa: E402
 from dflash_model.target import embedding_table, lm_head_weight  # noqa: E402
 from infer.loading import load_target_spec  # noqa: E402
 from train.config import load_config  # noqa: E402
@@ -75,10 +75,7 @@ def main(argv=None) -> dict:
     path = regenerated_path(cfg.data.regenerate, "smollm2")
     if not path.exists():
         raise SystemExit(f"{path}: no regenerated replies; run `bash scripts/main.sh` first")
-    rows = [
-        tokenize_conversation(target.tokenizer, json.loads(line)["messages"], 384)
-        for line in path.read_text().splitlines()
-    ]
+    rows = [tokenize_conversation(target.tokenizer, rec["messages"], 384) for _, rec in iter_jsonl(path)]
     dcfg = drafter_config(cfg, target.config)  # the default run's drafter: its target layers, heads and RoPE
     fit = collect(target.model, [r["input_ids"] for r in rows[:120]], dcfg.target_layer_ids)
     test = collect(target.model, [r["input_ids"] for r in rows[120:]], dcfg.target_layer_ids)

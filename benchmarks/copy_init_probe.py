@@ -26,7 +26,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from data.conversations import tokenize_conversation  # noqa: E402
+from data.conversations import iter_jsonl, tokenize_conversation  # noqa: E402
 from dflash_model.drafter import build_drafter, train_logits  # noqa: E402
 from dflash_model.drafter_weights import load_drafter  # noqa: E402
 from dflash_model.target import embedding_table, forward  # noqa: E402
@@ -119,7 +119,7 @@ def main(argv=None) -> list[dict]:
     path = regenerated_path(cfg.data.regenerate, "smollm2")
     if not path.exists():
         raise SystemExit(f"{path}: no regenerated replies; run `bash scripts/main.sh` first")
-    records = [json.loads(line) for line in path.read_text().splitlines()]
+    records = [rec for _, rec in iter_jsonl(path)]
     rows = [tokenize_conversation(target.tokenizer, r["messages"], MAX_LEN) for r in records]
     fit_rows, score_rows = rows[: min(args.fit_rows, args.score_from)], rows[args.score_from :]
     counts = collections.Counter(np.concatenate([r["input_ids"][r["loss_mask"]] for r in rows[: args.score_from]]))

@@ -29,6 +29,7 @@ import sys
 import time
 from pathlib import Path
 
+from data.conversations import iter_jsonl
 from train.tiny_runs import accuracy_windows
 
 REPO = Path(__file__).resolve().parent.parent
@@ -94,8 +95,8 @@ def baselines() -> dict:
 
     tok = load_tokenizer(assets.path("smollm2"))
     rows = []
-    for line in _data_file().read_text().splitlines():
-        r = tokenize_conversation(tok, json.loads(line)["messages"], max_len=384)
+    for _, rec in iter_jsonl(_data_file()):
+        r = tokenize_conversation(tok, rec["messages"], max_len=384)
         ids, mask = r["input_ids"].tolist(), r["loss_mask"].tolist()
         rows.append((ids, mask.index(True) if True in mask else len(ids)))
     cut = int(0.8 * len(rows))

@@ -134,7 +134,13 @@ def load_draft_spec(
     if spec.startswith("replies:"):
         # Prompt lookup where the context matches, the target's past replies elsewhere (infer.replies); with
         # "+DIR", this drafter's block where neither is confident (proposers.ReplyHybridProposer).
-        file, _, drafter_dir = spec.split(":", 1)[1].partition("+")
+        # FILE ends at the last "+": a reply file's name may hold one, a drafter directory's name may not.
+        rest = spec.split(":", 1)[1]
+        file, plus, drafter_dir = rest.rpartition("+")
+        if not plus:
+            file, drafter_dir = rest, ""
+        elif not drafter_dir:
+            raise ValueError(f"--draft {spec!r}: replies:FILE+DIR needs a drafter directory after the '+'")
         index = load_index(file, target_cfg.vocab_size)
         if not drafter_dir:
             return Draft("replies", proposers.ReplyLookupProposer(), index, block or NGRAM_BLOCK)
@@ -152,7 +158,8 @@ def load_draft_spec(
     else:
         if not Path(spec).is_dir():
             raise ValueError(
-                f"--draft {spec!r}: expected none, ngram, random, a drafter directory, hybrid:DIR or replies:FILE"
+                f"--draft {spec!r}: expected none, ngram, random, a drafter directory, hybrid:DIR, replies:FILE "
+                "or replies:FILE+DIR"
             )
         cfg, drafter = drafter_weights.load_drafter(spec, target_cfg, dtype=dtype)
         vocab = drafter_weights.load_draft_vocab(spec, cfg.vocab_size)

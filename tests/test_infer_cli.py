@@ -200,6 +200,8 @@ def test_shipped_drafter_loads_with_its_draft_vocabulary_unless_fullvocab():
     assert both.proposer.dflash.vocab == tuple(vocab) and both.params[1].keys_A.shape[0] > 0
     with pytest.raises(ValueError, match=r"replies:FILE\+DIR needs a DFlash drafter"):
         load_draft_spec(f"replies:{replies}+ngram", cfg)
+    with pytest.raises(ValueError, match=r"needs a drafter directory after the '\+'"):
+        load_draft_spec(f"replies:{replies}+", cfg)
     with pytest.raises(ValueError, match="fullvocab: applies to a DFlash drafter directory"):
         load_draft_spec("fullvocab:ngram", cfg)
     # Two directories, each also over the full vocabulary, in one comparison: the second keeps its prefix.
@@ -221,6 +223,15 @@ def test_out_of_vocabulary_prompt_ids_are_refused(bad, tmp_path):
         ev.main(
             target + ["--draft", "ngram", "--dataset", str(path), "--max-new-tokens", "4", "--out", str(tmp_path / "o")]
         )
+
+
+def test_prompt_file_rows_keep_unicode_line_separators(tmp_path):
+    """A prompt file is split on newlines only: U+2028 and U+0085 written raw (ensure_ascii=False) stay inside their
+    row's text, and rows without an id are named by their line."""
+    path = tmp_path / "p.jsonl"
+    rows = [{"prompt": "a\u2028b"}, {"question": "c\x85d"}]
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    assert ev.dataset_messages(str(path)) == [{"id": "p/0", "text": "a\u2028b"}, {"id": "p/1", "text": "c\x85d"}]
 
 
 @pytest.mark.parametrize(

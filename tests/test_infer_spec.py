@@ -391,16 +391,23 @@ def test_greedy_reply_hybrid_equals_plain_greedy_and_drafts_where_replies_are_un
     assert [engine.generate([p])[0].tokens for p in prompts] == ref
     tries = np.asarray(state.tries)
     assert tries[REPLIES:].sum() > 0 and tries[DRAFTER].sum() > 0, tries
-    # Per row: the replies' drafts where they are confident, the drafter's block elsewhere.
-    history = jnp.asarray([ref[0][:16], ref[1][:16]], jnp.int32)
-    n = jnp.asarray([16, 16], jnp.int32)
-    dstate = proposer.init((drafter, index), 2, 32)
-    got = proposer.propose_scored((drafter, index), _target("qwen3"), dstate, history, n, k)
-    mine, source, sure = proposer.replies.choose(index, history, n, k, proposer.min_prob)
+    # Per row: the replies' drafts where they are confident, the drafter's block elsewhere. A reply indexed twice
+    # makes [40, 41] -> 42 certain (row 0); 16 distinct tokens the replies never saw leave row 1 unsure.
+    from infer.replies import build_index
+
+    reply = [1, 40, 41, 42, 43, 44]
+    mask = [False] + [True] * 5
+    small = build_index(np.asarray(reply * 2, np.int32), np.asarray(mask * 2), np.asarray([0, 6, 12]))
+    rows = [list(range(200, 214)) + [40, 41], [int(t) for t in np.random.default_rng(5).permutation(100)[:16] + 300]]
+    history, n = jnp.asarray(rows, jnp.int32), jnp.asarray([16, 16], jnp.int32)
+    dstate = proposer.init((drafter, small), 2, 32)
+    got = proposer.propose_scored((drafter, small), _target("qwen3"), dstate, history, n, k)
+    mine, source, sure = proposer.replies.choose(small, history, n, k, proposer.min_prob)
+    assert np.asarray(sure).tolist() == [True, False]
+    assert np.asarray(got.tokens)[0, :3].tolist() == [42, 43, 44]
     drafted = proposer.dflash.propose(drafter, _target("qwen3"), dstate, history, n, k)
-    want = np.where(np.asarray(sure)[:, None], np.asarray(mine), np.asarray(drafted))
-    assert np.asarray(got.tokens).tolist() == want.tolist()
-    assert np.asarray(got.source).tolist() == np.where(np.asarray(sure), np.asarray(source), DRAFTER).tolist()
+    assert np.asarray(got.tokens)[1].tolist() == np.asarray(drafted)[1].tolist()
+    assert np.asarray(got.source).tolist() == [int(source[0]), DRAFTER] and int(source[0]) >= REPLIES
 
 
 # --- adaptive verify width -----------------------------------------------------------------------------------

@@ -1,18 +1,22 @@
 #!/usr/bin/env bash
-# The one-shot GPU job, run in the repository root of a lent device machine after .dev/a, .dev/b and .dev/c
-# (tools/gpu_burst/pack.py) were carried there, one a call:
-#   TOTAL_S=520 REGEN_S=170 bash tools/gpu_burst/job.sh
+# The one-shot GPU job, run in the repository root of a lent device machine once .dev/a, .dev/b and .dev/c
+# (tools/gpu_burst/pack.py) are there (one carried per call: tools/gpu_burst/README.md):
+#   TOTAL_S=555 REGEN_S=170 bash tools/gpu_burst/job.sh
 # 1. regenerates the target's greedy replies to the packed ShareGPT prompts (fp32, highest matmul precision, so
-#    they are the CPU's greedy replies but for rare near-ties), for at most REGEN_S seconds;
+#    they are the CPU's greedy replies but for rare near-ties), for at most REGEN_S seconds (then SIGINT; SIGKILL
+#    30 s later, since an XLA compile does not see the SIGINT: session 28's ran 13 s over);
 # 2. continues the shipped drafter on those replies and the CPU-regenerated ones (configs/smollm2-135m-gpu.yml)
 #    until TOTAL_S seconds after the start, then exports it;
 # 3. leaves in $OUT: the new replies, the export (split in 15 MB parts: a returned file is at most 16 MiB), the
 #    run's config, metrics and summary, and this log.
 set -uo pipefail
-t0=$(date +%s)
-: "${TOTAL_S:=520}" "${REGEN_S:=170}" "${OUT:=/tmp/out}"
+: "${TOTAL_S:=555}" "${REGEN_S:=170}" "${OUT:=/tmp/out}"
 mkdir -p "$OUT"
-exec > >(tee "$OUT/job.log") 2>&1
+if [ -z "${GPU_BURST_LOGGED:-}" ]; then  # run again under tee, and wait for it: the log is whole when $OUT is taken
+  GPU_BURST_LOGGED=1 bash "$0" "$@" 2>&1 | tee "$OUT/job.log"
+  exit "${PIPESTATUS[0]}"
+fi
+t0=$(date +%s)
 export PYTHONUNBUFFERED=1 PYTHONPATH="/tmp/site:$PWD" DFLASH_CACHE=/tmp/dcache
 py="${PY:-python3}"
 $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .dev/c/whl/*.whl \
@@ -26,7 +30,7 @@ zcat .dev/c/prompts.jsonl.gz > "$w/prompts.jsonl"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 $py -c "import jax, flax, optax, transformers; print('jax', jax.__version__, 'flax', flax.__version__, 'transformers', transformers.__version__, jax.devices())"
 echo "[$(( $(date +%s) - t0 )) s] regenerating (at most ${REGEN_S} s)"
-JAX_DEFAULT_MATMUL_PRECISION=highest timeout -s INT "$REGEN_S" $py -m train.regenerate --target smollm2 \
+JAX_DEFAULT_MATMUL_PRECISION=highest timeout -s INT -k 30 "$REGEN_S" $py -m train.regenerate --target smollm2 \
   --input "$w/prompts.jsonl" --batch-size "${REGEN_BATCH:-512}" --max-new-tokens 256 --max-prompt-tokens 256 \
   --output "$w/regen_gpu.jsonl"
 rc=$?

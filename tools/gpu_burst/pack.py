@@ -24,7 +24,7 @@ from pathlib import Path
 from data.assets import smollm2_gguf
 from data.conversations import load_conversations
 from dflash_model.files import cache_root
-from dflash_model.tokenizer import load_tokenizer
+from dflash_model.tokenizer import _converted_dir, load_tokenizer
 from train.regenerate import plan
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,19 +47,20 @@ def main() -> None:
     (a / "gguf.0").write_bytes(data[:PART])
     (b / "gguf.1").write_bytes(data[PART:])
     shutil.copytree(ROOT / "drafters/smollm2-135m-dflash", b / "drafter", ignore=shutil.ignore_patterns("README.md"))
-    b = c  # the rest goes in the third part
-    (b / "gguf.mtime").write_text(str(int(gguf.stat().st_mtime)))
-    tok_dirs = list((cache_root() / "tokenizers").glob(gguf.stem + "-*"))
-    shutil.make_archive(str(b / "tokenizers"), "gztar", cache_root() / "tokenizers", tok_dirs[0].name)
-    tok = load_tokenizer(gguf)
+    (c / "gguf.mtime").write_text(str(int(gguf.stat().st_mtime)))
+    tok = load_tokenizer(gguf)  # builds and caches it if this machine has not yet
+    tok_dir = _converted_dir(gguf)  # job.sh gives the GGUF this mtime again, so the cache key matches there
+    shutil.make_archive(str(c / "tokenizers"), "gztar", tok_dir.parent, tok_dir.name)
     convs, _ = load_conversations("sharegpt", skip=args.skip, require_assistant=False)
     eligible, skipped = plan(convs, tok, 256)
-    with gzip.open(b / "prompts.jsonl.gz", "wt", encoding="utf-8") as f:
+    with gzip.open(c / "prompts.jsonl.gz", "wt", encoding="utf-8") as f:
         for rid, prompt, _ in eligible:
             f.write(json.dumps({"id": rid, "messages": prompt}, ensure_ascii=False) + "\n")
-    with open(args.replies, "rb") as src, gzip.open(b / "replies_cpu.jsonl.gz", "wb") as dst:
+    with open(args.replies, "rb") as src, gzip.open(c / "replies_cpu.jsonl.gz", "wb") as dst:
         shutil.copyfileobj(src, dst)
-    shutil.copytree(dev / "whl", b / "whl")
+    if not (dev / "whl").is_dir():
+        raise SystemExit(f"{dev / 'whl'}: no wheels; download them first (tools/gpu_burst/README.md)")
+    shutil.copytree(dev / "whl", c / "whl")
     sizes = {p.relative_to(dev).as_posix(): p.stat().st_size for p in dev.rglob("*") if p.is_file()}
     print(json.dumps({"prompts": len(eligible), "skipped": dict(skipped), "bytes": sizes}, indent=1))
 
