@@ -26,6 +26,7 @@ import numpy as np
 from tqdm import tqdm
 
 from data import assets
+from data.conversations import iter_jsonl
 from dflash_model.cli import run_main
 from dflash_model.files import atomic_write_text, local_dir, push, run_path
 from dflash_model.tokenizer import chat_prompt_ids, stop_token_ids
@@ -54,11 +55,8 @@ def dataset_messages(name: str, limit: int | None = None) -> list[dict]:
         if not path.is_file():
             raise SystemExit(f"--dataset {name!r}: expected one of {DATASETS} or a .jsonl file")
         rows = []
-        for i, line in enumerate(path.read_text(encoding="utf-8").split("\n")):  # not splitlines(): U+2028 is text
-            if not line.strip():
-                continue
-            r = json.loads(line)
-            rid = r.get("id", f"{path.stem}/{i}")
+        for lineno, r in iter_jsonl(path):
+            rid = r.get("id", f"{path.stem}/{lineno - 1}")
             if "prompt_ids" in r:
                 rows.append({"id": rid, "prompt_ids": [int(t) for t in r["prompt_ids"]]})
             elif "messages" in r:
@@ -66,7 +64,7 @@ def dataset_messages(name: str, limit: int | None = None) -> list[dict]:
             else:
                 text = r.get("prompt", r.get("question", (r.get("turns") or [None])[0]))
                 if text is None:
-                    raise SystemExit(f"{path}:{i + 1}: no prompt_ids, prompt, question, turns or messages")
+                    raise SystemExit(f"{path}:{lineno}: no prompt_ids, prompt, question, turns or messages")
                 rows.append({"id": rid, "text": text})
     return rows if limit is None else rows[:limit]
 

@@ -245,8 +245,30 @@ class DFlashProposer:
         return None if self.vocab is None else jnp.asarray(self.vocab, jnp.int32)
 
 
+class _WithDrafter:
+    """The engine hooks of a hybrid: its state, features and timed forward are its DFlash drafter's (`self.dflash`),
+    whose params `drafter(params)` picks out of the hybrid's."""
+
+    @property
+    def layer_ids(self) -> tuple[int, ...]:
+        return self.dflash.layer_ids
+
+    def drafter(self, params):
+        """(the proposer whose forward a round may pay for, its params): what the engine times as a round's draft."""
+        return self.dflash, params
+
+    def init(self, params, batch, capacity):
+        return self.dflash.init(self.drafter(params)[1], batch, capacity)
+
+    def observe(self, params, state, feats_BTF, num_new_B):
+        return self.dflash.observe(self.drafter(params)[1], state, feats_BTF, num_new_B)
+
+    def propose(self, params, target, state, history_BC, n_B, k):
+        return self.propose_scored(params, target, state, history_BC, n_B, k).tokens
+
+
 @dataclasses.dataclass(frozen=True)
-class HybridProposer:
+class HybridProposer(_WithDrafter):
     """Prompt lookup where the context has a match, the DFlash block elsewhere, chosen per row and round.
 
     A match costs nothing to find and, on repetitive text, its continuation is accepted far more often than a
@@ -259,23 +281,6 @@ class HybridProposer:
     ngram: NGramProposer = NGramProposer()
     name: str = "hybrid"
 
-    @property
-    def layer_ids(self) -> tuple[int, ...]:
-        return self.dflash.layer_ids
-
-    def init(self, params, batch, capacity):
-        return self.dflash.init(params, batch, capacity)
-
-    def observe(self, params, state, feats_BTF, num_new_B):
-        return self.dflash.observe(params, state, feats_BTF, num_new_B)
-
-    def propose(self, params, target, state, history_BC, n_B, k):
-        return self.propose_scored(params, target, state, history_BC, n_B, k).tokens
-
-    def drafter(self, params):
-        """(the proposer whose forward a round may pay for, its params): what the engine times as a round's draft."""
-        return self.dflash, params
-
     def propose_scored(self, params, target, state, history_BC, n_B, k):
         looked_up, match_len_B = self.ngram.lookup(history_BC, n_B, k)
         draft = lambda: self.dflash.propose_scored(params, target, state, history_BC, n_B, k)
@@ -283,7 +288,7 @@ class HybridProposer:
 
 
 @dataclasses.dataclass(frozen=True)
-class ReplyHybridProposer:
+class ReplyHybridProposer(_WithDrafter):
     """Reply lookup where it is confident (`ReplyLookupProposer.choose` with `min_prob`), the DFlash block elsewhere,
     chosen per row and round. `params` is (drafter, ReplyIndex); the drafter's state is DFlash's, and its forward is
     skipped when every row is confident. With a drafter whose first draft is accepted about as often as the
@@ -294,19 +299,6 @@ class ReplyHybridProposer:
     replies: ReplyLookupProposer = ReplyLookupProposer()
     min_prob: float = 0.6
     name: str = "replies-hybrid"
-
-    @property
-    def layer_ids(self) -> tuple[int, ...]:
-        return self.dflash.layer_ids
-
-    def init(self, params, batch, capacity):
-        return self.dflash.init(params[0], batch, capacity)
-
-    def observe(self, params, state, feats_BTF, num_new_B):
-        return self.dflash.observe(params[0], state, feats_BTF, num_new_B)
-
-    def propose(self, params, target, state, history_BC, n_B, k):
-        return self.propose_scored(params, target, state, history_BC, n_B, k).tokens
 
     def drafter(self, params):
         return self.dflash, params[0]

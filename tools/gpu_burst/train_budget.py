@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> dict:
         total = max(trainer.step + 1, min(fit, trainer.batches_per_epoch * int(cfg.train.epochs)))
         log.info("step %.3f s (first %.0f s): %d steps fit before the deadline", step_s, compile_s, total)
         trainer.total_steps = total  # read by trainer.program(): the next train() compiles the fitted schedule
-        (trainer.run_dir / "config.yml").write_text(cfg.dump().replace(f"steps: {cfg.train.steps}", f"steps: {total}"))
+        (trainer.run_dir / "config.yml").write_text(load_config(name, [*overrides, f"train.steps={total}"]).dump())
         summary = trainer.train()
     timer.cancel()  # the export is not a step: a SIGTERM now would only set a flag nobody reads
     if "export" not in summary:
