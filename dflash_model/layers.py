@@ -109,6 +109,30 @@ def _attend(q_BTQH, k_BSGH, v_BSGH, mask_BTS):
     return out.reshape(b, t, n, h)
 
 
+def attend_cache_and_new(q_BTQH, cache_k_BCGH, cache_v_BCGH, cached_BC, k_BTGH, v_BTGH):
+    """Attention of T new queries over a cache they have not been written into, plus the T new keys causally:
+    the same values as writing the new K/V into the cache first and calling `attend`, without that write. One
+    softmax over both parts' scores (the [.., C + T] scores are small); the cache is only read, never copied.
+    cached_BC: True where a cache slot holds a committed key (every new query sees all of those).
+
+    Why: the adaptive decode verifies inside a `lax.switch` over widths, and a cache written inside a branch is
+    copied whole by XLA:CPU (several times per branch, docs/results/decoding/cache-write/); with this the
+    branches return the new K/V and the one write happens after the switch, in place."""
+    b, t, n, h = q_BTQH.shape
+    kv_heads = k_BTGH.shape[2]
+    c = cache_k_BCGH.shape[1]
+    q = q_BTQH.reshape(b, t, kv_heads, n // kv_heads, h)
+    s_cache = jnp.einsum("BTGRH,BCGH->BGRTC", q, cache_k_BCGH.astype(q.dtype), preferred_element_type=jnp.float32)
+    s_new = jnp.einsum("BTGRH,BSGH->BGRTS", q, k_BTGH, preferred_element_type=jnp.float32)
+    s_cache = jnp.where(cached_BC[:, None, None, None, :], s_cache * (h**-0.5), MASK_VALUE)
+    causal_TS = jnp.tril(jnp.ones((t, t), bool))
+    s_new = jnp.where(causal_TS, s_new * (h**-0.5), MASK_VALUE)
+    probs = jax.nn.softmax(jnp.concatenate([s_cache, s_new], axis=-1), axis=-1).astype(v_BTGH.dtype)
+    out = jnp.einsum("BGRTC,BCGH->BTGRH", probs[..., :c], cache_v_BCGH.astype(v_BTGH.dtype))
+    out = out + jnp.einsum("BGRTS,BSGH->BTGRH", probs[..., c:], v_BTGH)
+    return out.reshape(b, t, n, h)
+
+
 def out_projection(o_XQH, w_QHD):
     """The attention output projection [..., Q, H] x [Q, H, D] -> [..., D], as one matmul over the Q*H features.
 

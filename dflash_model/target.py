@@ -24,7 +24,16 @@ from tunix.models.llama3 import model as llama3
 from tunix.models.qwen3 import model as qwen3
 
 from dflash_model.config import TargetConfig, jnp_dtype
-from dflash_model.layers import apply_rope, attend, out_projection, rms_norm, rope_angles, rope_inv_freq, swiglu
+from dflash_model.layers import (
+    apply_rope,
+    attend,
+    attend_cache_and_new,
+    out_projection,
+    rms_norm,
+    rope_angles,
+    rope_inv_freq,
+    swiglu,
+)
 from dflash_model.sharding import constrain_batch
 
 # The init scale of a randomly initialised target (tests, tiny configs, random presets): logits O(1) at depth.
@@ -112,6 +121,15 @@ class KVCache:
         move = lambda buf: buf.at[:, rows_BJ, dst_BJ].set(buf[:, rows_BJ, src_BJ], mode="drop")
         return self.replace(k=move(self.k), v=move(self.v))
 
+    def append(self, new_k_LBTGH, new_v_LBTGH) -> KVCache:
+        """Write T new positions per row at lengths .. lengths + T - 1 (one in-place scatter over every layer; past
+        the capacity dropped) and grow lengths by T: what a forward with the cache does, done after it."""
+        b, t = new_k_LBTGH.shape[1:3]
+        rows_BT = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t))
+        pos_BT = self.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+        put = lambda buf, new: buf.at[:, rows_BT, pos_BT].set(new.astype(buf.dtype), mode="drop")
+        return KVCache(put(self.k, new_k_LBTGH), put(self.v, new_v_LBTGH), self.lengths + t)
+
     def crop(self, lengths) -> KVCache:
         """Roll every row back to `lengths` (scalar or [B]); never grows a row."""
         return self.replace(lengths=jnp.minimum(self.lengths, jnp.asarray(lengths, jnp.int32)))
@@ -122,9 +140,12 @@ class TargetOutput:
     logits: jax.Array | None  # [B, T, V] fp32, or [B, V] when `logits_at` was given
     features: jax.Array | None  # [B, T, len(layer_ids) * D], layer outputs concatenated in layer_ids order
     cache: KVCache | None
+    new_kv: tuple[jax.Array, jax.Array] | None = None  # write_cache=False: the T new positions' K, V [L, B, T, G, H]
 
 
-jax.tree_util.register_dataclass(TargetOutput, data_fields=["logits", "features", "cache"], meta_fields=[])
+jax.tree_util.register_dataclass(
+    TargetOutput, data_fields=["logits", "features", "cache", "new_kv"], meta_fields=[]
+)
 
 
 def is_maxtext(model) -> bool:
@@ -193,6 +214,7 @@ def forward(
     compute_logits: bool = True,
     logits_at=None,
     tree=None,
+    write_cache: bool = True,
 ) -> TargetOutput:
     """One forward over T tokens per row.
 
@@ -207,11 +229,16 @@ def forward(
       depth 0) instead of a sequence. Node t still writes its K/V at cache slot lengths + t, but sits at position
       lengths + depth[t] and attends to the cache below `lengths` and to the nodes m with visible[t, m] (its
       ancestors and itself).
+    write_cache False, with a cache and no tree: the cache is only read; the output has no cache but the new
+      positions' K/V (`new_kv`), for `KVCache.append` after, e.g. outside a `lax.switch` over forwards.
     """
     cfg = config_of(model)
     layer_ids = validate_layer_ids(cfg, layer_ids)
     if is_maxtext(model):
         return _maxtext_forward(model, tokens_BT, cache, layer_ids, compute_logits, logits_at, tree)
+    deferred = cache is not None and not write_cache
+    if deferred and tree is not None:
+        raise ValueError("write_cache=False serves sequence verifies; a tree forward writes its cache")
     b, t = tokens_BT.shape
     start_B = jnp.zeros((b,), jnp.int32) if cache is None else cache.lengths
     positions_BT = start_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # also the cache slots written
@@ -236,7 +263,7 @@ def forward(
     eps = cfg.rms_norm_eps
     x = embed(model, tokens_BT)
     cache_k, cache_v = (None, None) if cache is None else (cache.k, cache.v)
-    features = []
+    features, new_k, new_v = [], [], []
     wanted = set(layer_ids)
     # Without logits or a cache to fill, the layers above the deepest wanted one change nothing that is returned
     # (SmolLM2's features end at layer 27 of 30): the training forward and the feature precompute skip them.
@@ -252,11 +279,17 @@ def forward(
                 q = rms_norm(q, attn.q_norm.w[...], eps)
                 k = rms_norm(k, attn.k_norm.w[...], eps)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            if cache is not None:
-                cache_k = write_rows(cache_k, i, k, positions_BT)
-                cache_v = write_rows(cache_v, i, v, positions_BT)
-                k, v = cache_k[i], cache_v[i]
-            o = attend(q, k.astype(q.dtype), v.astype(q.dtype), mask_BTS)
+            if deferred:
+                new_k.append(k)
+                new_v.append(v)
+                cached_BC = kv_positions[None, :] < start_B[:, None]
+                o = attend_cache_and_new(q, cache_k[i], cache_v[i], cached_BC, k.astype(q.dtype), v.astype(q.dtype))
+            else:
+                if cache is not None:
+                    cache_k = write_rows(cache_k, i, k, positions_BT)
+                    cache_v = write_rows(cache_v, i, v, positions_BT)
+                    k, v = cache_k[i], cache_v[i]
+                o = attend(q, k.astype(q.dtype), v.astype(q.dtype), mask_BTS)
             x = x + out_projection(o, attn.o_proj.w[...])
             h = rms_norm(x, layer.post_attention_layernorm.w[...], eps)
             mlp = layer.mlp
@@ -274,6 +307,8 @@ def forward(
         if logits_at is not None:
             x = jnp.take_along_axis(x, jnp.asarray(logits_at, jnp.int32)[:, None, None], axis=1)[:, 0]
         logits = lm_head(model, final_norm(model, x))
+    if deferred:
+        return TargetOutput(logits, feats, None, (jnp.stack(new_k), jnp.stack(new_v)))
     new_cache = None
     if cache is not None:
         new_cache = KVCache(cache_k, cache_v, start_B + t)

@@ -105,14 +105,20 @@ def measured_rates(tries, hits, prior_weight: float = 4.0):
 
 
 @jax.named_scope("verify")
-def _verify(target, proposer, st: DecodeState, last_B, drafts_BJ, key, *, width, k, temperature):
-    """Target forward over [last, d_1 .. d_{width-1}] from the cache at `start`; the target's tokens and the
-    layer features padded to K (so every width returns one shape), the accepted count, the grown cache."""
+def _verify(target, proposer, st: DecodeState, last_B, drafts_BJ, key, *, width, k, temperature, branch=False):
+    """Target forward over [last, d_1 .. d_{width-1}] from the cache at `start`; the target's tokens and the layer
+    features padded to K (so every width returns one shape), the accepted count, the grown cache.
+
+    branch (a width of the adaptive round's `lax.switch`): the cache is only read, and the new positions' K/V,
+    padded to K, come back instead of it, for `KVCache.append` after the switch. A cache written inside a branch
+    is copied whole, several times, by XLA:CPU; outside a switch the forward's own write is the one in place
+    (appending after an unswitched forward made XLA copy the cache too: docs/results/decoding/cache-write/)."""
     out = forward(
         target,
         jnp.concatenate([last_B[:, None], drafts_BJ[:, : width - 1]], axis=1),
         st.cache,
         layer_ids=proposer.layer_ids,
+        write_cache=not branch,
     )
     # target_tok[:, j] ~ p(x_{start+j+1} | committed, d_1..d_j). Greedy: argmax. T > 0: an independent sample
     # per position; drafts stay greedy, so accepting d_{j+1} iff it equals the sample is rejection sampling
@@ -123,7 +129,10 @@ def _verify(target, proposer, st: DecodeState, last_B, drafts_BJ, key, *, width,
     pad = k - width
     feats = None if out.features is None else jnp.pad(out.features, ((0, 0), (0, pad), (0, 0)))
     nonfinite = ~jnp.all(jnp.isfinite(out.logits))
-    return jnp.pad(target_tok, ((0, 0), (0, pad))), a, feats, out.cache, nonfinite
+    grown = out.cache
+    if branch:
+        grown = tuple(jnp.pad(x, ((0, 0), (0, 0), (0, pad), (0, 0), (0, 0))) for x in out.new_kv)
+    return jnp.pad(target_tok, ((0, 0), (0, pad))), a, feats, grown, nonfinite
 
 
 @jax.named_scope("tree_round")
@@ -176,8 +185,12 @@ def _round(target, proposer, params, st: DecodeState, *, k, temperature, max_new
         conf = jnp.where(jnp.isnan(prop.prob), measured_BJ, prop.prob)
         cost_Z = st.verify_ms_Z + jnp.where(prop.drafted, st.draft_ms, 0.0)
         choice = choose_width(conf, live, widths, cost_Z)
-        branches = [functools.partial(_verify, target, proposer, width=w, k=k, temperature=temperature) for w in widths]
-        target_tok, a, feats, cache, nonfinite = jax.lax.switch(choice, branches, st, last, prop.tokens, key)
+        branches = [
+            functools.partial(_verify, target, proposer, width=w, k=k, temperature=temperature, branch=True)
+            for w in widths
+        ]
+        target_tok, a, feats, kv, nonfinite = jax.lax.switch(choice, branches, st, last, prop.tokens, key)
+        cache = st.cache.append(*kv)  # positions past the chosen width hold padding, above what crop keeps
         width = jnp.asarray(widths, jnp.int32)[choice]
     drafts = prop.tokens  # [B, K-1]; a tree round records the drafter's greedy chain
     # Draft j was tried when it was verified and drafts 1..j-1 were accepted; hit when it was accepted too.

@@ -14,6 +14,7 @@ from dflash_model.drafter import DraftCache, build_drafter, drafter_config_for, 
 from dflash_model.target import forward
 from infer.plain import greedy_generate, truncate_at_stop
 from infer.proposers import SOURCES, DFlashProposer, NGramProposer
+from infer import spec
 from infer.spec import TRACES, Engine, accept_length
 
 MAX_NEW = 24
@@ -463,6 +464,25 @@ def test_adaptive_width_is_lossless_and_varies(family):
     # Batch 1, and the n-gram proposer (measured rates per source: lookup, repeat).
     ngram = Engine(target, NGramProposer(), block_size=k, max_new_tokens=MAX_NEW, adaptive=True)
     assert [ngram.generate([p])[0].tokens for p in prompts] == ref
+
+
+def test_adaptive_decode_loop_copies_no_cache():
+    """The compiled decode loop, fixed width and adaptive, holds no copy of a cache-shaped array. A cache written
+    inside the adaptive round's lax.switch branches was copied whole four times per branch by XLA:CPU (about 1 ms
+    of a SmolLM2 round, docs/results/decoding/cache-write/); the branches now return the new K/V instead."""
+    import re
+
+    target = _target("qwen3")
+    for adaptive in (False, True):
+        engine = Engine(target, NGramProposer(), block_size=8, max_new_tokens=MAX_NEW, adaptive=adaptive)
+        if adaptive:
+            engine.costs = {"widths": [1, 2, 4, 8], "verify_ms": [1.0, 1.1, 1.3, 1.8], "draft_ms": 0.5}
+        state = engine.prefill(*engine.inputs(_prompts()))
+        static = engine.static
+        hlo = spec._decode.lower(engine.target, engine.proposer, engine.params, state, **static).compile().as_text()
+        shape = ",".join(map(str, state.cache.k.shape))
+        copies = re.findall(rf"= f32\[{shape}\]\S* copy\(", hlo)
+        assert re.search(rf"f32\[{shape}\]", hlo) and not copies, (adaptive, len(copies))
 
 
 # --- draft trees (DDTree) ------------------------------------------------------------------------------------

@@ -49,6 +49,27 @@ def test_cached_decoding_matches_full_forward(family):
     assert cache.lengths.tolist() == [pos, pos]
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_forward_without_cache_write_then_append_equals_writing_forward(family):
+    """A verify forward that only reads the cache (write_cache=False, the adaptive decode's switch branches), its
+    new K/V appended after, gives the writing forward's logits, features and cache (rows at different lengths)."""
+    model = tiny_target(family)
+    tokens = _tokens(2, 30)
+    cache = fwd(model, tokens[:, :20], KVCache.init(model.target_config, 2, 40)).cache.crop(jnp.array([14, 20]))
+    written = fwd(model, tokens[:, 20:28], cache, layer_ids=(0, 2))
+    read = nnx.jit(forward, static_argnames=("layer_ids", "write_cache"))(
+        model, tokens[:, 20:28], cache, layer_ids=(0, 2), write_cache=False
+    )
+    assert read.cache is None
+    np.testing.assert_allclose(read.logits, written.logits, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(read.features, written.features, atol=1e-5, rtol=0)
+    appended = cache.append(*read.new_kv)
+    np.testing.assert_array_equal(appended.lengths, written.cache.lengths)
+    for got, want in ((appended.k, written.cache.k), (appended.v, written.cache.v)):
+        np.testing.assert_allclose(got[:, 0, :22], want[:, 0, :22], atol=1e-5, rtol=0)  # row 0: 14 + 8 written
+        np.testing.assert_allclose(got[:, 1, :28], want[:, 1, :28], atol=1e-5, rtol=0)
+
+
 def _one_token_step_copies(model) -> list[tuple[str, str]]:
     """(dims, HLO line) of every fp32 copy or transpose in the compiled one-token forward (plain decoding's step)."""
     import re
