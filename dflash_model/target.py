@@ -143,9 +143,7 @@ class TargetOutput:
     new_kv: tuple[jax.Array, jax.Array] | None = None  # write_cache=False: the T new positions' K, V [L, B, T, G, H]
 
 
-jax.tree_util.register_dataclass(
-    TargetOutput, data_fields=["logits", "features", "cache", "new_kv"], meta_fields=[]
-)
+jax.tree_util.register_dataclass(TargetOutput, data_fields=["logits", "features", "cache", "new_kv"], meta_fields=[])
 
 
 def is_maxtext(model) -> bool:

@@ -12,9 +12,9 @@ from conftest import tiny_target
 
 from dflash_model.drafter import DraftCache, build_drafter, drafter_config_for, extend_context
 from dflash_model.target import forward
+from infer import spec
 from infer.plain import greedy_generate, truncate_at_stop
 from infer.proposers import SOURCES, DFlashProposer, NGramProposer
-from infer import spec
 from infer.spec import TRACES, Engine, accept_length
 
 MAX_NEW = 24

@@ -4,9 +4,10 @@ first 3 MT-Bench prompts, 256 new tokens; the best of 3 decodes per prompt.
 
     .venv/bin/python docs/results/decoding/cache-write/switch_cost.py 2 8
 """
-import sys, time
-import jax, numpy as np
-from infer.eval import dataset_messages, encode, _timed_decode, _warm
+
+import sys
+
+from infer.eval import _timed_decode, _warm, dataset_messages, encode
 from infer.loading import load_target_spec
 from infer.proposers import NGramProposer
 from infer.spec import Engine
