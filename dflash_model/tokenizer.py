@@ -6,6 +6,7 @@ import json
 import os
 from pathlib import Path
 
+from dflash_model.files import cache_root
 from dflash_model.weights import GGUFSource
 
 # GGUF metadata key (after "tokenizer.") -> the name transformers' GGUF tokenizer converter expects.
@@ -23,11 +24,11 @@ _GGUF_TOKENIZER_KEYS = {
 }
 
 
-def _converted_dir(path: Path) -> Path:
-    """Where the converted tokenizer of a GGUF file is kept: parsing the GGUF takes ~10-20 s per process."""
+def converted_tokenizer_dir(path: Path) -> Path:
+    """Where the converted tokenizer of a GGUF file is kept: parsing the GGUF takes ~10-20 s per process. The name
+    holds the file's size and mtime, so a changed file is converted again."""
     stat = path.stat()
-    root = Path(os.environ.get("DFLASH_CACHE") or Path.home() / ".cache" / "dflash-jax")
-    return root / "tokenizers" / f"{path.stem}-{stat.st_size}-{int(stat.st_mtime)}"
+    return cache_root() / "tokenizers" / f"{path.stem}-{stat.st_size}-{int(stat.st_mtime)}"
 
 
 def _gguf_tokenizer(path: Path):
@@ -40,7 +41,7 @@ def _gguf_tokenizer(path: Path):
     from transformers import PreTrainedTokenizerFast
     from transformers.integrations.ggml import convert_gguf_tokenizer
 
-    cached = _converted_dir(path)
+    cached = converted_tokenizer_dir(path)
     if (cached / "done").is_file():
         meta = json.loads((cached / "meta.json").read_text())
         tok = PreTrainedTokenizerFast(tokenizer_file=str(cached / "tokenizer.json"), **meta["kwargs"])

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_model.drafter import DraftCache, extend_context, propose_scored, propose_top
-from infer.replies import continue_rows
+from infer.replies import continue_rows, row_tails
 
 # Where a row's drafts came from: an adaptive engine keeps a measured acceptance rate per source and position.
 # Lookups are split by how far back the context agrees with the match (its match length, in buckets): inside a
@@ -141,7 +141,7 @@ class NGramProposer(Stateless):
         hist_len = n_B[:, None]
         best_B = jnp.full((b,), -1, jnp.int32)  # last index of the chosen earlier match; -1 = none yet
         for n in range(self.max_n, self.min_n - 1, -1):
-            suffix_Bn = jnp.take_along_axis(history_BC, jnp.maximum(n_B[:, None] - n + jnp.arange(n), 0), axis=1)
+            suffix_Bn = row_tails(history_BC, n_B, n)
             # A match ends at i when history[i-n+1 .. i] == suffix. It must end before the suffix itself
             # (i < len-1), so at least one continuation token history[i+1] is already committed.
             match_BC = (pos_C >= n - 1) & (pos_C < hist_len - 1) & (hist_len >= n + 1)

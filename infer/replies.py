@@ -116,6 +116,12 @@ def find(index: ReplyIndex, tail_BN, avail_B):
     return token, prob, found
 
 
+def row_tails(history_BC, n_B, n: int):
+    """[B, n] each row's last n committed tokens (history_BC[b, n_B[b]-n : n_B[b]], oldest first); a row shorter
+    than n repeats its first token in front (callers count how many are real)."""
+    return jnp.take_along_axis(history_BC, jnp.maximum(n_B[:, None] - n + jnp.arange(n)[None, :], 0), axis=1)
+
+
 def continue_rows(index: ReplyIndex, history_BC, n_B, steps: int):
     """Each row's committed sequence (history_BC[b, :n_B[b]]) extended `steps` tokens by the index, each from the
     tokens before it, drafts included: ([B, steps] tokens, [B] prob of the first, [B] whether the first was found).
@@ -123,8 +129,7 @@ def continue_rows(index: ReplyIndex, history_BC, n_B, steps: int):
     b = history_BC.shape[0]
     if steps == 0:  # K = 1: nothing to draft
         return jnp.zeros((b, 0), jnp.int32), jnp.zeros((b,), jnp.float32), jnp.zeros((b,), bool)
-    back = jnp.arange(index.max_n) - index.max_n  # -max_n .. -1
-    tail = jnp.take_along_axis(history_BC, jnp.maximum(n_B[:, None] + back[None, :], 0), axis=1)
+    tail = row_tails(history_BC, n_B, index.max_n)
     avail = jnp.minimum(n_B, index.max_n)
     out = []
     for s in range(steps):

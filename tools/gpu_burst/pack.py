@@ -24,7 +24,7 @@ from pathlib import Path
 from data.assets import smollm2_gguf
 from data.conversations import load_conversations
 from dflash_model.files import cache_root
-from dflash_model.tokenizer import _converted_dir, load_tokenizer
+from dflash_model.tokenizer import converted_tokenizer_dir, load_tokenizer
 from train.regenerate import plan
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -49,7 +49,7 @@ def main() -> None:
     shutil.copytree(ROOT / "drafters/smollm2-135m-dflash", b / "drafter", ignore=shutil.ignore_patterns("README.md"))
     (c / "gguf.mtime").write_text(str(int(gguf.stat().st_mtime)))
     tok = load_tokenizer(gguf)  # builds and caches it if this machine has not yet
-    tok_dir = _converted_dir(gguf)  # job.sh gives the GGUF this mtime again, so the cache key matches there
+    tok_dir = converted_tokenizer_dir(gguf)  # job.sh gives the GGUF this mtime again, so the cache key matches there
     shutil.make_archive(str(c / "tokenizers"), "gztar", tok_dir.parent, tok_dir.name)
     convs, _ = load_conversations("sharegpt", skip=args.skip, require_assistant=False)
     eligible, skipped = plan(convs, tok, 256)
