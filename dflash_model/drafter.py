@@ -34,7 +34,6 @@ from dflash_model.config import (
     jnp_dtype,
 )
 from dflash_model.layers import (
-    MASK_VALUE,
     apply_rope,
     map_in_chunks,
     out_projection,
@@ -418,30 +417,15 @@ def _attend_blocks(q_BNKQH, kc_BSGH, vc_BSGH, kb_BNJGH, vb_BNJGH, ctx_mask, blk_
     s, j = kc_BSGH.shape[1], kb_BNJGH.shape[2]
     per_chunk = max(1, max_scores // (b * nq * k * (s + j)))
     if n <= per_chunk:
-        return _attend_blocks_dense(q_BNKQH, kc_BSGH, vc_BSGH, kb_BNJGH, vb_BNJGH, ctx_mask, blk_mask)
+        return layers.attend_context_and_blocks(q_BNKQH, kc_BSGH, vc_BSGH, kb_BNJGH, vb_BNJGH, ctx_mask, blk_mask)
     ctx_mask = jnp.broadcast_to(ctx_mask, (b, n, *ctx_mask.shape[2:]))
     blk_mask = jnp.broadcast_to(blk_mask, (b, n, *blk_mask.shape[2:]))
     return map_in_chunks(
-        lambda q, kb, vb, cm, bm: _attend_blocks_dense(q, kc_BSGH, vc_BSGH, kb, vb, cm, bm),
+        lambda q, kb, vb, cm, bm: layers.attend_context_and_blocks(q, kc_BSGH, vc_BSGH, kb, vb, cm, bm),
         (q_BNKQH, kb_BNJGH, vb_BNJGH, ctx_mask, blk_mask),
         axis=1,
         chunk=per_chunk,
     )
-
-
-def _attend_blocks_dense(q_BNKQH, kc_BSGH, vc_BSGH, kb_BNJGH, vb_BNJGH, ctx_mask, blk_mask):
-    b, n, k, nq, h = q_BNKQH.shape
-    g = kc_BSGH.shape[2]
-    q = q_BNKQH.reshape(b, n, k, g, nq // g, h)
-    scale = h**-0.5
-    s_ctx = jnp.einsum("BNKGRH,BSGH->BGRNKS", q, kc_BSGH, preferred_element_type=jnp.float32) * scale
-    s_blk = jnp.einsum("BNKGRH,BNJGH->BGRNKJ", q, kb_BNJGH, preferred_element_type=jnp.float32) * scale
-    s_ctx = jnp.where(ctx_mask[:, None, None], s_ctx, MASK_VALUE)
-    s_blk = jnp.where(blk_mask[:, None, None], s_blk, MASK_VALUE)
-    probs = jax.nn.softmax(jnp.concatenate([s_ctx, s_blk], axis=-1), axis=-1).astype(vc_BSGH.dtype)
-    p_ctx, p_blk = probs[..., : s_ctx.shape[-1]], probs[..., s_ctx.shape[-1] :]
-    out = jnp.einsum("BGRNKS,BSGH->BNKGRH", p_ctx, vc_BSGH) + jnp.einsum("BGRNKJ,BNJGH->BNKGRH", p_blk, vb_BNJGH)
-    return out.reshape(b, n, k, nq, h)
 
 
 def _masks(cfg: DrafterConfig, q_pos_BNK, kv_pos_S, ctx_visible):

@@ -109,28 +109,28 @@ def _attend(q_BTQH, k_BSGH, v_BSGH, mask_BTS):
     return out.reshape(b, t, n, h)
 
 
-def attend_cache_and_new(q_BTQH, cache_k_BCGH, cache_v_BCGH, cached_BC, k_BTGH, v_BTGH):
-    """Attention of T new queries over a cache they have not been written into, plus the T new keys causally:
-    the same values as writing the new K/V into the cache first and calling `attend`, without that write. One
-    softmax over both parts' scores (the [.., C + T] scores are small); the cache is only read, never copied.
-    cached_BC: True where a cache slot holds a committed key (every new query sees all of those).
+def attend_context_and_blocks(q_BNKQH, kc_BSGH, vc_BSGH, kb_BNJGH, vb_BNJGH, ctx_mask, blk_mask):
+    """Attention of N blocks of K queries over shared context keys [S] and each block's own keys [J], with one
+    softmax over both parts: the same values as dense attention over the concatenated keys, without forming
+    block-to-other-block scores or writing the block's keys into the context buffer. ctx_mask broadcasts to
+    [B, N, K, S], blk_mask to [B, N, K, J]; True = may attend. Scores and softmax in fp32.
 
-    Why: the adaptive decode verifies inside a `lax.switch` over widths, and a cache written inside a branch is
-    copied whole by XLA:CPU (several times per branch, docs/results/decoding/cache-write/); with this the
-    branches return the new K/V and the one write happens after the switch, in place."""
-    b, t, n, h = q_BTQH.shape
-    kv_heads = k_BTGH.shape[2]
-    c = cache_k_BCGH.shape[1]
-    q = q_BTQH.reshape(b, t, kv_heads, n // kv_heads, h)
-    s_cache = jnp.einsum("BTGRH,BCGH->BGRTC", q, cache_k_BCGH.astype(q.dtype), preferred_element_type=jnp.float32)
-    s_new = jnp.einsum("BTGRH,BSGH->BGRTS", q, k_BTGH, preferred_element_type=jnp.float32)
-    s_cache = jnp.where(cached_BC[:, None, None, None, :], s_cache * (h**-0.5), MASK_VALUE)
-    causal_TS = jnp.tril(jnp.ones((t, t), bool))
-    s_new = jnp.where(causal_TS, s_new * (h**-0.5), MASK_VALUE)
-    probs = jax.nn.softmax(jnp.concatenate([s_cache, s_new], axis=-1), axis=-1).astype(v_BTGH.dtype)
-    out = jnp.einsum("BGRTC,BCGH->BTGRH", probs[..., :c], cache_v_BCGH.astype(v_BTGH.dtype))
-    out = out + jnp.einsum("BGRTS,BSGH->BTGRH", probs[..., c:], v_BTGH)
-    return out.reshape(b, t, n, h)
+    The drafter's blocks use it (`drafter._attend_blocks`, in chunks of blocks), and so does a target verify that
+    only reads its cache (`target.forward(write_cache=False)`, one block of the new positions): the adaptive
+    decode's width switch, whose branches would otherwise write, and XLA:CPU copy, the whole cache
+    (docs/results/decoding/cache-write/)."""
+    b, n, k, nq, h = q_BNKQH.shape
+    g = kc_BSGH.shape[2]
+    q = q_BNKQH.reshape(b, n, k, g, nq // g, h)
+    scale = h**-0.5
+    s_ctx = jnp.einsum("BNKGRH,BSGH->BGRNKS", q, kc_BSGH, preferred_element_type=jnp.float32) * scale
+    s_blk = jnp.einsum("BNKGRH,BNJGH->BGRNKJ", q, kb_BNJGH, preferred_element_type=jnp.float32) * scale
+    s_ctx = jnp.where(ctx_mask[:, None, None], s_ctx, MASK_VALUE)
+    s_blk = jnp.where(blk_mask[:, None, None], s_blk, MASK_VALUE)
+    probs = jax.nn.softmax(jnp.concatenate([s_ctx, s_blk], axis=-1), axis=-1).astype(vc_BSGH.dtype)
+    p_ctx, p_blk = probs[..., : s_ctx.shape[-1]], probs[..., s_ctx.shape[-1] :]
+    out = jnp.einsum("BGRNKS,BSGH->BNKGRH", p_ctx, vc_BSGH) + jnp.einsum("BGRNKJ,BNJGH->BNKGRH", p_blk, vb_BNJGH)
+    return out.reshape(b, n, k, nq, h)
 
 
 def out_projection(o_XQH, w_QHD):

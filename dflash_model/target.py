@@ -27,7 +27,7 @@ from dflash_model.config import TargetConfig, jnp_dtype
 from dflash_model.layers import (
     apply_rope,
     attend,
-    attend_cache_and_new,
+    attend_context_and_blocks,
     out_projection,
     rms_norm,
     rope_angles,
@@ -280,8 +280,13 @@ def forward(
             if deferred:
                 new_k.append(k)
                 new_v.append(v)
-                cached_BC = kv_positions[None, :] < start_B[:, None]
-                o = attend_cache_and_new(q, cache_k[i], cache_v[i], cached_BC, k.astype(q.dtype), v.astype(q.dtype))
+                # One block of the T new positions: they see the committed cache slots and, causally, each other.
+                cached_B11C = (kv_positions[None, :] < start_B[:, None])[:, None, None, :]
+                causal_11TT = jnp.tril(jnp.ones((t, t), bool))[None, None]
+                kc, vc = cache_k[i].astype(q.dtype), cache_v[i].astype(q.dtype)
+                o = attend_context_and_blocks(
+                    q[:, None], kc, vc, k[:, None].astype(q.dtype), v[:, None].astype(q.dtype), cached_B11C, causal_11TT
+                )[:, 0]
             else:
                 if cache is not None:
                     cache_k = write_rows(cache_k, i, k, positions_BT)
