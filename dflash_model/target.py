@@ -227,16 +227,15 @@ def forward(
       depth 0) instead of a sequence. Node t still writes its K/V at cache slot lengths + t, but sits at position
       lengths + depth[t] and attends to the cache below `lengths` and to the nodes m with visible[t, m] (its
       ancestors and itself).
-    write_cache False, with a cache and no tree: the cache is only read; the output has no cache but the new
-      positions' K/V (`new_kv`), for `KVCache.append` after, e.g. outside a `lax.switch` over forwards.
+    write_cache False, with a cache: the cache is only read; the output has no cache but the new positions' K/V
+      (`new_kv`), for `KVCache.append` after, e.g. outside a `lax.switch` over forwards (with a tree, K/V in node
+      order, each at its node's position).
     """
     cfg = config_of(model)
     layer_ids = validate_layer_ids(cfg, layer_ids)
     if is_maxtext(model):
         return _maxtext_forward(model, tokens_BT, cache, layer_ids, compute_logits, logits_at, tree)
     deferred = cache is not None and not write_cache
-    if deferred and tree is not None:
-        raise ValueError("write_cache=False serves sequence verifies; a tree forward writes its cache")
     b, t = tokens_BT.shape
     start_B = jnp.zeros((b,), jnp.int32) if cache is None else cache.lengths
     positions_BT = start_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # also the cache slots written
@@ -256,6 +255,8 @@ def forward(
         in_tree = (node_S >= 0) & (node_S < t)
         sees_node = jnp.take_along_axis(visible_BTT, jnp.clip(node_S, 0, t - 1)[:, None, :].repeat(t, 1), axis=2)
         mask_BTS = (node_S < 0)[:, None, :] | (in_tree[:, None, :] & sees_node)
+    if deferred:
+        block_mask = jnp.tril(jnp.ones((t, t), bool))[None, None] if tree is None else tree[1][:, None]
     cos, sin = rope_angles(rope_positions_BT, rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
 
     eps = cfg.rms_norm_eps
@@ -280,12 +281,12 @@ def forward(
             if deferred:
                 new_k.append(k)
                 new_v.append(v)
-                # One block of the T new positions: they see the committed cache slots and, causally, each other.
+                # One block of the T new positions: they see the committed cache slots and, causally (a tree: their
+                # ancestors), each other.
                 cached_B11C = (kv_positions[None, :] < start_B[:, None])[:, None, None, :]
-                causal_11TT = jnp.tril(jnp.ones((t, t), bool))[None, None]
                 kc, vc = cache_k[i].astype(q.dtype), cache_v[i].astype(q.dtype)
                 o = attend_context_and_blocks(
-                    q[:, None], kc, vc, k[:, None].astype(q.dtype), v[:, None].astype(q.dtype), cached_B11C, causal_11TT
+                    q[:, None], kc, vc, k[:, None].astype(q.dtype), v[:, None].astype(q.dtype), cached_B11C, block_mask
                 )[:, 0]
             else:
                 if cache is not None:

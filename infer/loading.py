@@ -20,6 +20,7 @@ from infer.replies import load_index
 
 NGRAM_BLOCK = 8  # default K for prompt lookup: cheap drafts, and verify costs about the same up to here
 TREE_NODES = 16  # default draft-tree size (nodes besides the root) of 'tree:DIR'
+LOOKUP_TREE_NODES = 7  # default size of 'lookuptree:FILE' (a verify of 8)
 
 
 def at_least(low: int):
@@ -103,6 +104,15 @@ def load_draft_spec(
     def load_inner(inner_spec: str) -> Draft:  # the spec a prefix wraps, with this call's options
         return load_draft_spec(inner_spec, target_cfg, block, seed, dtype=dtype, zero_features=zero_features)
 
+    lookup_tree = re.match(r"lookuptree(\d*):(.*)", spec)
+    if lookup_tree:
+        # A tree grown from prompt lookup and a reply file (proposers.LookupTreeProposer), as deep as it has nodes.
+        nodes = int(lookup_tree[1] or LOOKUP_TREE_NODES)
+        if nodes < 1:
+            raise ValueError(f"--draft {spec!r}: a tree needs at least 1 node")
+        lo, hi = proposers.LOOKUP_TREE_ORDERS
+        index = load_index(lookup_tree[2], target_cfg.vocab_size, min_n=lo, max_n=hi)
+        return Draft(f"lookuptree{nodes}", proposers.LookupTreeProposer(), index, nodes + 1, tree_nodes=nodes)
     tree = re.match(r"tree(\d*):(.*)", spec)
     if tree:
         inner = load_inner(tree[2])

@@ -57,11 +57,15 @@ def ngram_hash(tokens, xp=np):
         return _fmix32(h)
 
 
+# Followers kept per n-gram, most frequent first: a chain drafts the first, a lookup tree branches over all of them.
+FOLLOWERS = 4
+
+
 @flax.struct.dataclass
 class ReplyIndex:
     keys_A: jax.Array  # [A] uint32 n-gram hashes, ascending
-    next_A: jax.Array  # [A] int32 the token that most often followed the n-gram
-    prob_A: jax.Array  # [A] fp32 how often it did (its count / the n-gram's count)
+    next_AO: jax.Array  # [A, O] int32 the tokens that most often followed the n-gram, most frequent first
+    prob_AO: jax.Array  # [A, O] fp32 how often each did (its count / the n-gram's count); 0 = no such follower
     min_n: int = flax.struct.field(pytree_node=False, default=2)
     max_n: int = flax.struct.field(pytree_node=False, default=4)
 
@@ -88,32 +92,43 @@ def build_index(input_ids, loss_mask, offsets, *, min_n: int = 2, max_n: int = 4
     order = np.lexsort((-count, key))  # by key, then the most frequent follower first (stable: smaller id on ties)
     key, token, count = key[order], token[order], count[order]
     first = np.concatenate([[True], key[1:] != key[:-1]]) if len(key) else np.zeros(0, bool)
-    total = np.add.reduceat(count, np.nonzero(first)[0]) if len(key) else np.zeros(0, np.int64)
-    return ReplyIndex(
-        jnp.asarray(key[first]),
-        jnp.asarray(token[first]),
-        jnp.asarray(count[first] / total, jnp.float32),
-        min_n=min_n,
-        max_n=max_n,
-    )
+    starts = np.nonzero(first)[0]
+    total = np.add.reduceat(count, starts) if len(key) else np.zeros(0, np.int64)
+    group = np.cumsum(first) - 1  # [pairs] which n-gram each (n-gram, follower) pair belongs to
+    rank = np.arange(len(key)) - starts[group] if len(key) else np.zeros(0, np.int64)
+    keep = rank < FOLLOWERS
+    next_AO = np.zeros((len(starts), FOLLOWERS), np.int32)
+    prob_AO = np.zeros((len(starts), FOLLOWERS), np.float32)
+    next_AO[group[keep], rank[keep]] = token[keep]
+    prob_AO[group[keep], rank[keep]] = count[keep] / total[group[keep]]
+    return ReplyIndex(jnp.asarray(key[first]), jnp.asarray(next_AO), jnp.asarray(prob_AO), min_n=min_n, max_n=max_n)
 
 
 def find(index: ReplyIndex, tail_BN, avail_B):
     """The longest n-gram of each row's tail found in the index: ([B] follower, [B] its prob, [B] found).
     tail_BN: the row's last max_n tokens (oldest first); avail_B: how many of them are real (a short history)."""
+    token_BO, prob_BO, order_B = followers(index, tail_BN, avail_B)
+    return token_BO[:, 0], prob_BO[:, 0], order_B > 0
+
+
+def followers(index: ReplyIndex, tail_BN, avail_B):
+    """The followers of the longest n-gram of each row's tail found in the index: ([B, O] tokens, most frequent
+    first, [B, O] how often each followed it (0: none), [B] the n-gram's order n; 0 = none found)."""
     b = tail_BN.shape[0]
-    token, prob, found = jnp.zeros((b,), jnp.int32), jnp.zeros((b,), jnp.float32), jnp.zeros((b,), bool)
+    token = jnp.zeros((b, FOLLOWERS), jnp.int32)
+    prob = jnp.zeros((b, FOLLOWERS), jnp.float32)
+    order = jnp.zeros((b,), jnp.int32)
     size = index.keys_A.shape[0]
     if size == 0:  # a file with no replies finds nothing
-        return token, prob, found
+        return token, prob, order
     for n in range(index.max_n, index.min_n - 1, -1):  # longest first: a row keeps its first hit
         h = ngram_hash(tail_BN[:, -n:], jnp)
         at = jnp.clip(jnp.searchsorted(index.keys_A, h), 0, size - 1)
-        hit = (index.keys_A[at] == h) & (avail_B >= n) & ~found
-        token = jnp.where(hit, index.next_A[at], token)
-        prob = jnp.where(hit, index.prob_A[at], prob)
-        found |= hit
-    return token, prob, found
+        hit = (index.keys_A[at] == h) & (avail_B >= n) & (order == 0)
+        token = jnp.where(hit[:, None], index.next_AO[at], token)
+        prob = jnp.where(hit[:, None], index.prob_AO[at], prob)
+        order = jnp.where(hit, n, order)
+    return token, prob, order
 
 
 def row_tails(history_BC, n_B, n: int):

@@ -28,7 +28,7 @@ import numpy as np
 
 from dflash_model.target import KVCache, config_of, forward
 from infer.plain import pad_prompts, truncate_at_stop
-from infer.proposers import DRAFTER, SOURCES, NoProposer, Proposal, scored
+from infer.proposers import DRAFTER, LOOKUP, SOURCES, NoProposer, Proposal, scored
 from infer.tree import build_tree, walk_tree
 
 # Trace counts of the jitted steps (incremented only while tracing): tests check one compile per shape bucket.
@@ -86,6 +86,13 @@ def choose_width(conf_BJ, live_B, widths: tuple[int, ...], cost_Z):
     accepted drafts). cost_Z: the round's cost at each width (same unit). Rows that are done count for nothing.
     """
     reach_BJ = jnp.cumprod(conf_BJ, axis=1)  # P(drafts 1..j all accepted)
+    return _best_rate(reach_BJ, live_B, widths, cost_Z)
+
+
+def _best_rate(reach_BJ, live_B, widths, cost_Z):
+    """argmax over widths of (expected committed tokens, summed over live rows) / cost, where verifying w tokens
+    commits 1 + sum_{j < w} reach[b, j-1] in expectation: reach[b, j-1] is the probability that the j-th verified
+    draft (a chain's draft j, a tree's node j in pop order) is on the accepted path."""
     expected_BK = 1.0 + jnp.concatenate([jnp.zeros_like(reach_BJ[:, :1]), jnp.cumsum(reach_BJ, axis=1)], axis=1)
     expected_BZ = expected_BK[:, jnp.asarray(widths) - 1]
     rate_Z = jnp.sum(jnp.where(live_B[:, None], expected_BZ, 0.0), axis=0) / cost_Z
@@ -136,24 +143,81 @@ def _verify(target, proposer, st: DecodeState, last_B, drafts_BJ, key, *, width,
 
 
 @jax.named_scope("tree_round")
-def _verify_tree(target, proposer, params, st: DecodeState, last_B, key, *, k, tree, temperature):
-    """A DDTree round's verify: the drafter's top tokens per position, the best `nodes` prefixes as a tree, one
-    target forward over all of them (tree attention), the walk. The target's tokens along the path, the accepted
-    count, the path's features and a cache whose path entries sit where a sequential verify puts them."""
+def _verify_tree(target, proposer, params, st: DecodeState, last_B, key, *, k, tree, temperature, widths, cost_Z):
+    """A tree round's verify: the tree (DDTree: the best `nodes` prefixes of the drafter's top tokens per position;
+    or the proposer's own grown tree), one target forward over its nodes (tree attention; with `widths`, over the
+    first w nodes, w chosen per round), the walk. The target's tokens along the path, the accepted count, the
+    path's features, a cache whose path entries sit where a sequential verify puts them, the verified width."""
     nodes, top = tree
-    tokens_BJO, logp_BJO = proposer.propose_top(params, target, st.draft, st.history, st.n, k, top)
-    tr = build_tree(tokens_BJO, logp_BJO, nodes)
+    if hasattr(proposer, "propose_tree"):  # a tree grown node by node (proposers.LookupTreeProposer)
+        score_BE, tr = proposer.propose_tree(params, target, st.draft, st.history, st.n, k, nodes)
+        chain_BJ = _tree_chain(tr, k)
+        # drafted: the tree's build is this proposer's draft cost, paid every round.
+        prop = Proposal(chain_BJ, jnp.full(chain_BJ.shape, jnp.nan), jnp.full_like(last_B, LOOKUP), jnp.bool_(True))
+    else:
+        tokens_BJO, logp_BJO = proposer.propose_top(params, target, st.draft, st.history, st.n, k, top)
+        tr = build_tree(tokens_BJO, logp_BJO, nodes)
+        prop = Proposal(tokens_BJO[..., 0], jnp.exp(logp_BJO[..., 0]), jnp.full_like(last_B, DRAFTER), jnp.bool_(True))
     node_tok = jnp.where(tr.valid, tr.token, 0).at[:, 0].set(last_B)
-    out = forward(target, node_tok, st.cache, layer_ids=proposer.layer_ids, tree=(tr.depth, tr.visible))
-    TRACES[f"tree@{nodes}"] += 1
-    target_tok_BE = _pick(out.logits, temperature, key)  # at T > 0 an independent sample per node
+    if widths is None:
+        out = forward(target, node_tok, st.cache, layer_ids=proposer.layer_ids, tree=(tr.depth, tr.visible))
+        TRACES[f"tree@{nodes}"] += 1
+        target_tok_BE = _pick(out.logits, temperature, key)  # at T > 0 an independent sample per node
+        width = jnp.int32(nodes + 1)
+        feats_BE, cache, nonfinite = out.features, out.cache, ~jnp.all(jnp.isfinite(out.logits))
+    else:
+        # Verify the first w nodes in pop order (a tree: every node's parent was popped before it), w chosen from
+        # their path probabilities (score_BE: the chance each is on the accepted path) and the measured costs.
+        choice = _best_rate(score_BE[:, 1:], ~st.done, widths, cost_Z)
+        branches = [
+            functools.partial(_verify_tree_nodes, target, proposer, width=w, temperature=temperature) for w in widths
+        ]
+        target_tok_BE, feats_BE, kv, nonfinite = jax.lax.switch(choice, branches, st, node_tok, tr, key)
+        width = jnp.asarray(widths, jnp.int32)[choice]
+        tr = tr.replace(valid=tr.valid & (jnp.arange(nodes + 1)[None, :] < width))
+        cache = st.cache.append(*kv)  # the nodes past the chosen width hold padding, dropped by keep_path and crop
     path_BK, a = walk_tree(target_tok_BE, tr, k - 1)
     committed = jnp.take_along_axis(target_tok_BE, path_BK, axis=1)
-    feats = None if out.features is None else jnp.take_along_axis(out.features, path_BK[..., None], axis=1)
-    cache = out.cache.keep_path(st.cache.lengths, path_BK)
-    nonfinite = ~jnp.all(jnp.isfinite(out.logits))
-    prop = Proposal(tokens_BJO[..., 0], jnp.exp(logp_BJO[..., 0]), jnp.full_like(last_B, DRAFTER), jnp.bool_(True))
-    return prop, committed, a, feats, cache, nonfinite
+    feats = None if feats_BE is None else jnp.take_along_axis(feats_BE, path_BK[..., None], axis=1)
+    cache = cache.keep_path(st.cache.lengths, path_BK)
+    return prop, committed, a, feats, cache, nonfinite, width
+
+
+def _verify_tree_nodes(target, proposer, st, node_tok_BE, tr, key, *, width, temperature):
+    """A branch of the adaptive tree round: the target forward over the first `width` nodes, reading the cache
+    only (as `_verify(branch=True)`); the target's tokens, features and the nodes' K/V padded to all E nodes."""
+    e = node_tok_BE.shape[1]
+    out = forward(
+        target,
+        node_tok_BE[:, :width],
+        st.cache,
+        layer_ids=proposer.layer_ids,
+        tree=(tr.depth[:, :width], tr.visible[:, :width, :width]),
+        write_cache=False,
+    )
+    TRACES[f"tree-verify@{width}"] += 1
+    pad = e - width
+    target_tok = jnp.pad(_pick(out.logits, temperature, key), ((0, 0), (0, pad)))
+    feats = None if out.features is None else jnp.pad(out.features, ((0, 0), (0, pad), (0, 0)))
+    kv = tuple(jnp.pad(x, ((0, 0), (0, 0), (0, pad), (0, 0), (0, 0))) for x in out.new_kv)
+    return target_tok, feats, kv, ~jnp.all(jnp.isfinite(out.logits))
+
+
+def _tree_chain(tr, k):
+    """[B, K-1] a grown tree's likeliest path (from each node its first child, the likeliest), what a tree round
+    records as its drafts; 0 past its end."""
+    e = tr.token.shape[1]
+    node_E = jnp.arange(e)
+
+    def step(cur_B, _):
+        child_BE = (tr.parent == cur_B[:, None]) & tr.valid & (node_E > 0)
+        has_B = jnp.any(child_BE, axis=1)
+        nxt_B = jnp.where(has_B, jnp.argmax(child_BE, axis=1), 0).astype(jnp.int32)  # children pop likeliest first
+        tok_B = jnp.where(has_B, jnp.take_along_axis(tr.token, nxt_B[:, None], axis=1)[:, 0], 0)
+        return jnp.where(has_B, nxt_B, e), tok_B  # e: past the end, no node's parent
+
+    _, chain = jax.lax.scan(step, jnp.zeros((tr.token.shape[0],), jnp.int32), None, length=k - 1)
+    return chain.T.astype(jnp.int32)
 
 
 def _round(target, proposer, params, st: DecodeState, *, k, temperature, max_new, widths, tree) -> DecodeState:
@@ -169,10 +233,20 @@ def _round(target, proposer, params, st: DecodeState, *, k, temperature, max_new
     key = jax.random.fold_in(st.key, st.rounds)
     live = ~st.done
     if tree is not None:
-        prop, target_tok, a, feats, cache, nonfinite = _verify_tree(
-            target, proposer, params, st, last, key, k=k, tree=tree, temperature=temperature
+        cost_Z = None if widths is None else st.verify_ms_Z + st.draft_ms
+        prop, target_tok, a, feats, cache, nonfinite, width = _verify_tree(
+            target,
+            proposer,
+            params,
+            st,
+            last,
+            key,
+            k=k,
+            tree=tree,
+            temperature=temperature,
+            widths=widths,
+            cost_Z=cost_Z,
         )
-        width = jnp.int32(tree[0] + 1)  # the tree's nodes, root included
     elif widths is None:
         prop = scored(proposer, params, target, st.draft, st.history, st.n, k)
         target_tok, a, feats, cache, nonfinite = _verify(
@@ -328,11 +402,15 @@ def _probe_verify(target, proposer, st, reps, *, width, k):
     return jax.lax.fori_loop(0, reps, body, (st.cache, jnp.int32(0)))[1]
 
 
-@functools.partial(jax.jit, static_argnames=("proposer", "k"))
-def _probe_draft(target, proposer, params, st, reps, *, k):
+@functools.partial(jax.jit, static_argnames=("proposer", "k", "nodes"))
+def _probe_draft(target, proposer, params, st, reps, *, k, nodes=None):
+    """A draft (a grown tree's, with `nodes`) repeated `reps` times in one loop."""
+
     def body(i, acc):
         # The last token varies with i so that the loop body cannot be hoisted out as loop-invariant.
         history = st.history.at[jnp.arange(st.n.shape[0]), st.n - 1].add(i)
+        if nodes is not None and hasattr(proposer, "propose_tree"):
+            return acc + jnp.sum(proposer.propose_tree(params, target, st.draft, history, st.n, k, nodes)[1].token)
         return acc + jnp.sum(proposer.propose(params, target, st.draft, history, st.n, k))
 
     return jax.lax.fori_loop(0, reps, body, jnp.int32(0))
@@ -417,14 +495,19 @@ class Engine:
                     f"adaptive widths must be at least two values in 1..{k} (the block size), got {widths}"
                 )
         tree = None
+        if tree_nodes is None and hasattr(proposer, "propose_tree") and not hasattr(proposer, "propose_scored"):
+            raise ValueError(f"the {proposer.name} proposer drafts trees only: give tree_nodes")
         if tree_nodes is not None:
-            if adaptive:
+            if adaptive and not hasattr(proposer, "propose_tree"):
                 raise ValueError(
-                    "a draft tree sets its own width (its nodes): tree_nodes and adaptive exclude each other"
+                    "a DDTree sets its own width (its nodes): tree_nodes and adaptive exclude each other; an "
+                    "adaptive tree needs a proposer that scores its nodes (propose_tree)"
                 )
-            if not hasattr(proposer, "propose_top"):
+            if adaptive and widths[-1] > tree_nodes + 1:
+                raise ValueError(f"adaptive tree widths must be at most its nodes + 1 = {tree_nodes + 1}, got {widths}")
+            if not (hasattr(proposer, "propose_top") or hasattr(proposer, "propose_tree")):
                 raise ValueError(
-                    f"a draft tree needs per-position distributions; the {proposer.name} proposer has none"
+                    f"a draft tree needs per-position distributions or a tree; the {proposer.name} proposer has neither"
                 )
             if not (tree_nodes >= 1 and tree_top >= 1 and k >= 2):
                 raise ValueError(
@@ -445,9 +528,11 @@ class Engine:
     @property
     def widths(self) -> tuple[int, ...]:
         """The verify widths this engine may use: its candidates, the block size alone, or a tree's nodes."""
+        if self.static["widths"]:
+            return self.static["widths"]
         if self.static["tree"]:
             return (self.static["tree"][0] + 1,)
-        return self.static["widths"] or (self.block_size,)
+        return (self.block_size,)
 
     @property
     def adaptive(self) -> bool:
@@ -498,7 +583,8 @@ class Engine:
         )
         draft_ms = 0.0
         if k > 1:
-            draft_ms = _loop_ms(lambda r: _probe_draft(self.target, model, params, st, r, k=k), reps)
+            nodes = self.static["tree"][0] if self.static["tree"] else None
+            draft_ms = _loop_ms(lambda r: _probe_draft(self.target, model, params, st, r, k=k, nodes=nodes), reps)
         # A wider verify never costs less; a measured dip is noise, and would make the choice chase it.
         self.costs = {
             "widths": list(self.widths),

@@ -119,4 +119,61 @@ def walk_tree(target_tok_BE, tree: DraftTree, depths: int):
     return path, a
 
 
-__all__ = ["DraftTree", "build_tree", "walk_tree"]
+def grow_tree(children, nodes: int, fanout: int, max_depth: int):
+    """The `nodes` likeliest paths of a conditional proposal, best first, as a tree of E = nodes + 1 (one row;
+    vmap it over rows). ([E] path probability of each node (root 1, 0 past the valid ones), DraftTree).
+
+    children(path_J, depth) -> ([fanout] tokens, [fanout] probabilities) of the token after the draft path
+    path_J[:depth] (depth 0: after the committed tokens), each a distinct token, probability 0 for none. A path's
+    probability is the product of its tokens' probabilities, so every prefix of a kept path scores at least as high
+    and the kept set is a tree. Unlike `build_tree`, whose per-depth candidates do not depend on the path, each
+    popped node's children come from its own path (a lookup continues the text the path drafts). Each pop pushes
+    its node's `fanout` children into a frontier of fanout * E slots; the last pop's are computed and unused."""
+    e = nodes + 1
+    tok0, p0 = children(jnp.zeros((max_depth,), jnp.int32), jnp.int32(0))
+    slots = fanout * e
+    frontier = dict(
+        score=jnp.zeros((slots,), jnp.float32).at[:fanout].set(p0.astype(jnp.float32)),
+        token=jnp.zeros((slots,), jnp.int32).at[:fanout].set(tok0),
+        parent=jnp.zeros((slots,), jnp.int32),
+        depth=jnp.zeros((slots,), jnp.int32).at[:fanout].set(1),
+    )
+    tree = DraftTree(
+        token=jnp.zeros((e,), jnp.int32),
+        parent=jnp.zeros((e,), jnp.int32),
+        depth=jnp.zeros((e,), jnp.int32),
+        visible=jnp.eye(e, dtype=bool),
+        valid=jnp.zeros((e,), bool).at[0].set(True),
+    )
+    paths_EJ = jnp.zeros((e, max_depth), jnp.int32)
+    score_E = jnp.zeros((e,), jnp.float32).at[0].set(1.0)
+
+    def pop(i, carry):
+        fr, tr, paths_EJ, score_E = carry
+        best = jnp.argmax(fr["score"])
+        score, d, par, token = fr["score"][best], fr["depth"][best], fr["parent"][best], fr["token"][best]
+        ok = score > 0
+        path_J = paths_EJ[par].at[jnp.clip(d - 1, 0, max_depth - 1)].set(token)
+        tr = tr.replace(
+            token=tr.token.at[i].set(jnp.where(ok, token, 0)),
+            parent=tr.parent.at[i].set(jnp.where(ok, par, 0)),
+            depth=tr.depth.at[i].set(jnp.where(ok, d, 1)),
+            visible=tr.visible.at[i].set(tr.visible[i] | (ok & tr.visible[par])),
+            valid=tr.valid.at[i].set(ok),
+        )
+        tok_O, p_O = children(path_J, d)
+        child_score = jnp.where(ok & (d < max_depth), score * p_O.astype(jnp.float32), 0.0)
+        at = fanout * i + jnp.arange(fanout)
+        fr = dict(
+            score=fr["score"].at[best].set(0.0).at[at].set(child_score),
+            token=fr["token"].at[at].set(tok_O),
+            parent=fr["parent"].at[at].set(i),
+            depth=fr["depth"].at[at].set(d + 1),
+        )
+        return fr, tr, paths_EJ.at[i].set(path_J), score_E.at[i].set(jnp.where(ok, score, 0.0))
+
+    _, tree, _, score_E = jax.lax.fori_loop(1, e, pop, (frontier, tree, paths_EJ, score_E))
+    return score_E, tree
+
+
+__all__ = ["DraftTree", "build_tree", "grow_tree", "walk_tree"]

@@ -138,16 +138,16 @@ def test_batch_one_and_plain_engine():
     assert all(g.accept_lengths == [1] * (MAX_NEW - 1) and g.proposals == [[]] * (MAX_NEW - 1) for g in plain)
 
 
-def _reply_case():
+def _reply_case(family="qwen3"):
     """(prompts, their plain greedy continuations, a reply index over other prompts' greedy replies and a corrupted
     copy of these prompts' own, so that reply drafts are both accepted and rejected)."""
     from infer.replies import build_index
 
     prompts = _prompts(seed=4)
-    ref = _plain("qwen3", prompts)
+    ref = _plain(family, prompts)
     other = _prompts(seed=5)
     corrupt = [[t if i % 5 else (t + 1) % 512 for i, t in enumerate(r)] for r in ref]
-    rows = [(p, r) for p, r in zip(other, _plain("qwen3", other))] + list(zip(prompts, corrupt))
+    rows = [(p, r) for p, r in zip(other, _plain(family, other))] + list(zip(prompts, corrupt))
     ids = np.concatenate([p + r for p, r in rows]).astype(np.int32)
     mask = np.concatenate([[False] * len(p) + [True] * len(r) for p, r in rows])
     return prompts, ref, build_index(ids, mask, np.cumsum([0] + [len(p) + len(r) for p, r in rows]))
@@ -577,10 +577,63 @@ def test_tree_decoding_equals_plain_greedy(family):
 
 
 def test_tree_engine_refuses_what_it_cannot_do():
-    with pytest.raises(ValueError, match="no per-position distributions|has none"):
+    with pytest.raises(ValueError, match="per-position distributions or a tree"):
         Engine(_target("qwen3"), NGramProposer(), block_size=4, max_new_tokens=4, tree_nodes=4)
     cfg, drafter = _tiny_drafter("qwen3")
     with pytest.raises(ValueError, match="exclude each other"):
         Engine(
             _target("qwen3"), DFlashProposer(cfg), drafter, block_size=4, max_new_tokens=4, tree_nodes=4, adaptive=True
         )
+    from infer.proposers import LookupTreeProposer
+
+    with pytest.raises(ValueError, match="drafts trees only"):
+        Engine(_target("qwen3"), LookupTreeProposer(), _reply_case()[2], block_size=4, max_new_tokens=4)
+
+
+@pytest.mark.parametrize("family,adaptive", [("qwen3", False), ("llama", False), ("qwen3", True)])
+def test_lookup_tree_decoding_equals_plain_greedy(family, adaptive):
+    """The lookup tree equals plain greedy at batch 2 and 1; some rounds accept drafts off the tree's likeliest path
+    (a second guess paid), and the tree verify compiles once. Its index holds these prompts' greedy replies once
+    and a copy with every 5th token changed twice, so there the likeliest follower is wrong and the second right.
+    Adaptive: the round verifies the first w nodes, w chosen per round; with costs that make a wide verify dear,
+    it verifies several widths, each branch compiled once."""
+    from infer.proposers import LookupTreeProposer
+    from infer.replies import build_index
+
+    prompts = _prompts(seed=4)
+    ref = _plain(family, prompts)
+    corrupt = [[t if i % 5 else (t + 1) % 512 for i, t in enumerate(r)] for r in ref]
+    rows = list(zip(prompts, ref)) + list(zip(prompts, corrupt)) * 2
+    ids = np.concatenate([p + r for p, r in rows]).astype(np.int32)
+    mask = np.concatenate([[False] * len(p) + [True] * len(r) for p, r in rows])
+    index = build_index(ids, mask, np.cumsum([0] + [len(p) + len(r) for p, r in rows]))
+    nodes = 7
+    engine = Engine(
+        _target(family),
+        LookupTreeProposer(),
+        index,
+        block_size=nodes + 1,
+        max_new_tokens=MAX_NEW,
+        tree_nodes=nodes,
+        adaptive=adaptive,
+    )
+    if adaptive:
+        engine.costs = {"widths": [1, 2, 4, 8], "verify_ms": [1.0, 1.2, 1.6, 2.6], "draft_ms": 0.0}
+    traces = [f"tree-verify@{w}" for w in (1, 2, 4, 8)] if adaptive else [f"tree@{nodes}"]
+    before = [TRACES[t] for t in traces]
+    gens = engine.generate(prompts)
+    assert [g.tokens for g in gens] == ref
+    assert engine.generate(prompts[::-1])[1].tokens == ref[0]  # same shapes: no new compile
+    assert [TRACES[t] - b for t, b in zip(traces, before)] == [1] * len(traces), TRACES
+    if adaptive:
+        assert len({w for g in gens for w in g.verify_widths}) >= 2
+    assert [engine.generate([p])[0].tokens for p in prompts] == ref
+    off_chain = 0
+    for g in gens:
+        _check_records(g, nodes + 1)
+        for a, chain, start in zip(g.accept_lengths, g.proposals, np.cumsum([1] + g.accept_lengths[:-1])):
+            accepted = g.tokens[start : start + a - 1]
+            off_chain += len(accepted) > 0 and accepted != chain[: len(accepted)]
+    assert sum(a > 1 for g in gens for a in g.accept_lengths) >= 4
+    if family == "qwen3" and not adaptive:  # the tiny Llama repeats one or two tokens: its context lookup is right
+        assert off_chain >= 1

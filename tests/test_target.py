@@ -70,6 +70,32 @@ def test_forward_without_cache_write_then_append_equals_writing_forward(family):
         np.testing.assert_allclose(got[:, 1, :28], want[:, 1, :28], atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tree_forward_without_cache_write_equals_writing_tree_forward(family):
+    """The same for a draft tree (the adaptive tree round's branches): node i at position start + depth[i], seeing
+    the cache and its ancestors only; logits and the appended cache equal the writing tree forward's."""
+    model = tiny_target(family)
+    tokens = _tokens(2, 30)
+    cache = fwd(model, tokens[:, :20], KVCache.init(model.target_config, 2, 40)).cache.crop(jnp.array([14, 20]))
+    parent = [0, 0, 0, 1, 1, 3]  # node 0 the root; 1 and 2 its children; 3, 4 under 1; 5 under 3
+    depth, visible = [0], [[True] + [False] * 5]
+    for i in range(1, 6):
+        depth.append(depth[parent[i]] + 1)
+        visible.append([a or j == i for j, a in enumerate(visible[parent[i]])])
+    tree = (jnp.asarray([depth] * 2, jnp.int32), jnp.asarray([visible] * 2))
+    nodes = tokens[:, 20:26]
+    step = nnx.jit(forward, static_argnames=("write_cache",))
+    written = step(model, nodes, cache, tree=tree)
+    read = step(model, nodes, cache, tree=tree, write_cache=False)
+    np.testing.assert_allclose(read.logits, written.logits, atol=1e-5, rtol=0)
+    appended = cache.append(*read.new_kv)
+    np.testing.assert_allclose(appended.k[:, 0, :20], written.cache.k[:, 0, :20], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(appended.v[:, 1, :26], written.cache.v[:, 1, :26], atol=1e-5, rtol=0)
+    # A node's logits are its path's: node 5 (path 1, 3, 5) as a plain sequence after the cache.
+    path = fwd(model, nodes[:, jnp.asarray([0, 1, 3, 5])], cache)
+    np.testing.assert_allclose(read.logits[:, 5], path.logits[:, 3], atol=1e-5, rtol=0)
+
+
 def _one_token_step_copies(model) -> list[tuple[str, str]]:
     """(dims, HLO line) of every fp32 copy or transpose in the compiled one-token forward (plain decoding's step)."""
     import re
