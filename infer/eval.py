@@ -438,7 +438,8 @@ def parse_args(argv=None):
     ap.add_argument(
         "--draft",
         action="append",
-        help="none | ngram | replies:FILE (prompt lookup, then a reply file of python -m infer.replies) | random | "
+        help="none | ngram | replies:FILE (prompt lookup, then a reply file of python -m infer.replies) | "
+        "lookuptree:FILE (or lookuptreeN:FILE: a draft tree of N nodes grown from both lookups) | random | "
         "a drafter directory | hybrid:SPEC | adaptive:SPEC | tree:DIR (or treeN:DIR, "
         "a draft tree of N nodes) | fullvocab:DIR (ignore the directory's draft_vocab.json), optionally SPEC@K; "
         "repeat to compare several in one interleaved run (one plain baseline)",

@@ -28,7 +28,8 @@ def parse_args(argv=None):
     ap.add_argument(
         "--draft",
         default="none",
-        help="drafter directory, none, ngram, replies:FILE (prompt lookup, then the target's past replies), random, "
+        help="drafter directory, none, ngram, replies:FILE (prompt lookup, then the target's past replies), "
+        "lookuptree:FILE (a draft tree grown from both lookups), random, "
         "hybrid:SPEC (n-gram where it matches, else the drafter) or "
         "adaptive:SPEC (verify a width chosen per round from measured costs), tree:DIR (a draft tree) or "
         "fullvocab:DIR (ignore the directory's draft_vocab.json)",

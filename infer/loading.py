@@ -98,8 +98,10 @@ def load_draft_spec(
     any but none verifies a width chosen per round. dtype: a directory's compute dtype (default: as saved);
     zero_features: the features.zero ablation (the drafter sees zeros instead of target features). 'tree:DIR' (or
     'treeN:DIR', N nodes; default TREE_NODES) verifies a draft tree built from the drafter's per-position
-    distributions (DDTree) instead of its greedy block. A directory's draft_vocab.json (the draft vocabulary it was
-    trained on) restricts its proposals to those tokens; 'fullvocab:DIR' ignores it."""
+    distributions (DDTree) instead of its greedy block. 'lookuptree:FILE' (or 'lookuptreeN:FILE'; default
+    LOOKUP_TREE_NODES) verifies a tree grown from prompt lookup and a reply file (proposers.LookupTreeProposer);
+    'adaptive:lookuptreeN:FILE' verifies its first w nodes, w chosen per round. A directory's draft_vocab.json (the
+    draft vocabulary it was trained on) restricts its proposals to those tokens; 'fullvocab:DIR' ignores it."""
 
     def load_inner(inner_spec: str) -> Draft:  # the spec a prefix wraps, with this call's options
         return load_draft_spec(inner_spec, target_cfg, block, seed, dtype=dtype, zero_features=zero_features)

@@ -167,7 +167,7 @@ def test_cli_stores_the_assistant_turns_of_a_jsonl(tmp_path, smollm2):
 
 def test_draft_spec_loads_a_reply_file(tmp_path):
     """`replies:FILE` (and adaptive:replies:FILE) load the file's index into a ReplyLookupProposer at the n-gram
-    block size unless a block is given; a missing file is refused naming it."""
+    block size unless a block is given; a missing file is refused naming it; `lookuptree:FILE` loads a tree."""
     from types import SimpleNamespace
 
     from infer.loading import NGRAM_BLOCK, load_draft_spec
@@ -184,6 +184,12 @@ def test_draft_spec_loads_a_reply_file(tmp_path):
     assert adaptive.adaptive and adaptive.block_size == 16 and adaptive.name == "adaptive-replies"
     with pytest.raises(ValueError, match=r"missing\.npz: not a reply file"):
         load_draft_spec(f"replies:{tmp_path / 'missing.npz'}", cfg)
+    # lookuptreeN:FILE: a tree of N nodes, paths up to N deep, over an index that also keeps 1-token n-grams.
+    tree = load_draft_spec(f"lookuptree5:{tmp_path / 'r.npz'}", cfg)
+    assert (tree.name, tree.tree_nodes, tree.block_size, tree.params.min_n) == ("lookuptree5", 5, 6, 1)
+    assert load_draft_spec(f"adaptive:lookuptree:{tmp_path / 'r.npz'}", cfg).engine_options() == dict(
+        block_size=8, adaptive=True, tree_nodes=7
+    )
 
 
 def test_reply_lookup_takes_context_matches_then_replies_then_short_matches():
