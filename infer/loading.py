@@ -112,6 +112,8 @@ def load_draft_spec(
         nodes = int(lookup_tree[1] or LOOKUP_TREE_NODES)
         if nodes < 1:
             raise ValueError(f"--draft {spec!r}: a tree needs at least 1 node")
+        if block is not None:
+            raise ValueError(f"--draft {spec!r}: a lookup tree's width is its nodes + 1; give lookuptreeN, not @K")
         lo, hi = proposers.LOOKUP_TREE_ORDERS
         index = load_index(lookup_tree[2], target_cfg.vocab_size, min_n=lo, max_n=hi)
         return Draft(f"lookuptree{nodes}", proposers.LookupTreeProposer(), index, nodes + 1, tree_nodes=nodes)

@@ -46,6 +46,8 @@ LOOKUP_TREE_ORDERS = (1, 4)  # the reply n-gram orders (min_n, max_n) a lookup t
 # adaptive engine measures the acceptance of a near-certain continuation apart from a guess among many.
 REPLY_BUCKETS = (0.0, 0.4, 0.6, 0.8)  # lower bounds of the reply-lookup buckets
 SOURCES += ("replies <0.4", "replies 0.4-0.6", "replies 0.6-0.8", "replies 0.8+")
+SOURCES += ("lookup tree",)  # a tree round's (its tries count verified nodes as depths: bookkeeping only)
+LOOKUP_TREE = SOURCES.index("lookup tree")
 REPLIES = SOURCES.index("replies <0.4")  # the first reply bucket
 
 
@@ -115,6 +117,22 @@ class NoProposer(Stateless):
         return jnp.zeros((history_BC.shape[0], k - 1), jnp.int32)
 
 
+def suffix_matches(history_BC, n_B, n: int):
+    """[B, C] True at each i where an earlier occurrence of the row's last n committed tokens ends:
+    history[i-n+1 .. i] == history[len-n .. len-1], with i < len-1, so at least one token after it (history[i+1]) is
+    committed. Tokens past a row's length are never read."""
+    c = history_BC.shape[1]
+    pos_C = jnp.arange(c, dtype=jnp.int32)
+    suffix_Bn = row_tails(history_BC, n_B, n)
+    hist_len = n_B[:, None]
+    match_BC = (pos_C >= n - 1) & (pos_C < hist_len - 1) & (hist_len >= n + 1)
+    for j in range(n):
+        shift = n - 1 - j  # compares history[i - shift] with suffix[j]
+        shifted = jnp.pad(history_BC, ((0, 0), (shift, 0)), constant_values=-1)[:, :c]
+        match_BC &= shifted == suffix_Bn[:, j : j + 1]
+    return match_BC
+
+
 @dataclasses.dataclass(frozen=True)
 class NGramProposer(Stateless):
     """Prompt lookup: find the most recent earlier occurrence of the row's last n tokens (longest n first,
@@ -141,18 +159,9 @@ class NGramProposer(Stateless):
         tokens, up to MATCH_BUCKETS[-1], agree backwards from the match and from the row's end; 0 = no match)."""
         b, c = history_BC.shape
         pos_C = jnp.arange(c, dtype=jnp.int32)
-        hist_len = n_B[:, None]
         best_B = jnp.full((b,), -1, jnp.int32)  # last index of the chosen earlier match; -1 = none yet
         for n in range(self.max_n, self.min_n - 1, -1):
-            suffix_Bn = row_tails(history_BC, n_B, n)
-            # A match ends at i when history[i-n+1 .. i] == suffix. It must end before the suffix itself
-            # (i < len-1), so at least one continuation token history[i+1] is already committed.
-            match_BC = (pos_C >= n - 1) & (pos_C < hist_len - 1) & (hist_len >= n + 1)
-            for j in range(n):
-                shift = n - 1 - j  # compares history[i - shift] with suffix[j]
-                shifted = jnp.pad(history_BC, ((0, 0), (shift, 0)), constant_values=-1)[:, :c]
-                match_BC &= shifted == suffix_Bn[:, j : j + 1]
-            found_B = jnp.max(jnp.where(match_BC, pos_C, -1), axis=1)
+            found_B = jnp.max(jnp.where(suffix_matches(history_BC, n_B, n), pos_C, -1), axis=1)
             best_B = jnp.where(best_B < 0, found_B, best_B)
         # Continue from the match. Past the committed end the text repeats with period p = len-1-i (the
         # match and the suffix are the same n tokens), so index i+1 + (j mod p) extends a repetition loop.
@@ -200,18 +209,14 @@ class ReplyLookupProposer(Stateless):
 
 def context_followers(seq_C, length, max_n: int, fanout: int, vocab: int):
     """The tokens that followed the earlier occurrences of the longest (<= max_n) suffix of seq_C[:length] that
-    occurs earlier (one row): ([fanout] tokens, most frequent first, [fanout] their share of those occurrences, 0
-    for none; [] the suffix's length n, 0 when not even the last token occurs earlier). A count per token over the
-    vocabulary (one scatter) ranks them."""
+    occurs earlier (one row): ([fanout] tokens, most frequent first, ties to the latest occurrence as prompt lookup
+    prefers, [fanout] their share of those occurrences, 0 for none; [] the suffix's length n, 0 when not even the
+    last token occurs earlier). A count per token over the vocabulary (one scatter) ranks them."""
     c = seq_C.shape[0]
     pos_C = jnp.arange(c, dtype=jnp.int32)
     match_C, order = jnp.zeros((c,), bool), jnp.int32(0)
     for n in range(max_n, 0, -1):
-        suffix = jax.lax.dynamic_slice(seq_C, (jnp.clip(length - n, 0, c - n),), (n,))
-        m = (pos_C >= n - 1) & (pos_C < length - 1) & (length >= n + 1)
-        for j in range(n):
-            shift = n - 1 - j  # compares seq[i - shift] with suffix[j]
-            m &= jnp.pad(seq_C, (shift, 0), constant_values=-1)[:c] == suffix[j]
+        m = suffix_matches(seq_C[None], jnp.asarray(length)[None], n)[0]
         take = (order == 0) & jnp.any(m)
         match_C, order = jnp.where(take, m, match_C), jnp.where(take, n, order)
     follow_C = seq_C[jnp.minimum(pos_C + 1, c - 1)]
@@ -220,9 +225,10 @@ def context_followers(seq_C, length, max_n: int, fanout: int, vocab: int):
     total = jnp.maximum(jnp.sum(match_C), 1)
     tokens, probs = [], []
     for _ in range(fanout):  # the most frequent follower, then the next among the others, ...
-        j = jnp.argmax(score_C)
-        tokens.append(jnp.where(score_C[j] > 0, follow_C[j], 0))
-        probs.append(score_C[j] / total)
+        best = jnp.max(score_C)
+        j = jnp.argmax(jnp.where((score_C == best) & (best > 0), pos_C, -1))  # its latest occurrence
+        tokens.append(jnp.where(best > 0, follow_C[j], 0))
+        probs.append(best / total)
         score_C = jnp.where(follow_C == follow_C[j], 0.0, score_C)
     return jnp.stack(tokens).astype(jnp.int32), jnp.stack(probs), order
 
@@ -259,10 +265,9 @@ class LookupTreeProposer(Stateless):
     def children(self, index, seq_C, length, vocab: int):
         """([fanout] tokens, [fanout] probabilities) of the token after seq_C[:length] (one row)."""
         ctx_tok, ctx_share, ctx_order = context_followers(seq_C, length, self.max_n, FOLLOWERS, vocab)
-        tail = jax.lax.dynamic_slice(
-            seq_C, (jnp.clip(length - index.max_n, 0, seq_C.shape[0] - index.max_n),), (index.max_n,)
-        )
-        rep_tok, rep_share, rep_order = followers(index, tail[None], jnp.minimum(length, index.max_n)[None])
+        length = jnp.asarray(length)
+        tail = row_tails(seq_C[None], length[None], index.max_n)  # a row shorter than max_n: avail says so
+        rep_tok, rep_share, rep_order = followers(index, tail, jnp.minimum(length, index.max_n)[None])
         rep_tok, rep_share, rep_order = rep_tok[0], rep_share[0], rep_order[0]
         p_ctx = jnp.asarray(self.context_weight, jnp.float32)[ctx_order] * ctx_share
         if index.max_n >= len(self.reply_weight):

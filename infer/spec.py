@@ -28,7 +28,7 @@ import numpy as np
 
 from dflash_model.target import KVCache, config_of, forward
 from infer.plain import pad_prompts, truncate_at_stop
-from infer.proposers import DRAFTER, LOOKUP, SOURCES, NoProposer, Proposal, scored
+from infer.proposers import DRAFTER, LOOKUP_TREE, SOURCES, NoProposer, Proposal, scored
 from infer.tree import build_tree, walk_tree
 
 # Trace counts of the jitted steps (incremented only while tracing): tests check one compile per shape bucket.
@@ -133,13 +133,19 @@ def _verify(target, proposer, st: DecodeState, last_B, drafts_BJ, key, *, width,
     TRACES[f"verify@{width}"] += 1
     target_tok = _pick(out.logits, temperature, key)
     a = accept_length(drafts_BJ[:, : width - 1], target_tok)
-    pad = k - width
-    feats = None if out.features is None else jnp.pad(out.features, ((0, 0), (0, pad), (0, 0)))
+    target_tok, feats, new_kv = _pad_positions(k, target_tok, out.features, out.new_kv if branch else None)
     nonfinite = ~jnp.all(jnp.isfinite(out.logits))
-    grown = out.cache
-    if branch:
-        grown = tuple(jnp.pad(x, ((0, 0), (0, 0), (0, pad), (0, 0), (0, 0))) for x in out.new_kv)
-    return jnp.pad(target_tok, ((0, 0), (0, pad))), a, feats, grown, nonfinite
+    return target_tok, a, feats, (new_kv if branch else out.cache), nonfinite
+
+
+def _pad_positions(size, tok_BT, feats_BTF, new_kv):
+    """A verify's per-position outputs (tokens [B, T], features [B, T, F] or None, new K/V [L, B, T, G, H] or None)
+    padded to `size` positions, so every branch of a width switch returns one shape."""
+    pad = size - tok_BT.shape[1]
+    tok = jnp.pad(tok_BT, ((0, 0), (0, pad)))
+    feats = None if feats_BTF is None else jnp.pad(feats_BTF, ((0, 0), (0, pad), (0, 0)))
+    kv = None if new_kv is None else tuple(jnp.pad(x, ((0, 0), (0, 0), (0, pad), (0, 0), (0, 0))) for x in new_kv)
+    return tok, feats, kv
 
 
 @jax.named_scope("tree_round")
@@ -153,7 +159,9 @@ def _verify_tree(target, proposer, params, st: DecodeState, last_B, key, *, k, t
         score_BE, tr = proposer.propose_tree(params, target, st.draft, st.history, st.n, k, nodes)
         chain_BJ = _tree_chain(tr, k)
         # drafted: the tree's build is this proposer's draft cost, paid every round.
-        prop = Proposal(chain_BJ, jnp.full(chain_BJ.shape, jnp.nan), jnp.full_like(last_B, LOOKUP), jnp.bool_(True))
+        prop = Proposal(
+            chain_BJ, jnp.full(chain_BJ.shape, jnp.nan), jnp.full_like(last_B, LOOKUP_TREE), jnp.bool_(True)
+        )
     else:
         tokens_BJO, logp_BJO = proposer.propose_top(params, target, st.draft, st.history, st.n, k, top)
         tr = build_tree(tokens_BJO, logp_BJO, nodes)
@@ -196,10 +204,7 @@ def _verify_tree_nodes(target, proposer, st, node_tok_BE, tr, key, *, width, tem
         write_cache=False,
     )
     TRACES[f"tree-verify@{width}"] += 1
-    pad = e - width
-    target_tok = jnp.pad(_pick(out.logits, temperature, key), ((0, 0), (0, pad)))
-    feats = None if out.features is None else jnp.pad(out.features, ((0, 0), (0, pad), (0, 0)))
-    kv = tuple(jnp.pad(x, ((0, 0), (0, 0), (0, pad), (0, 0), (0, 0))) for x in out.new_kv)
+    target_tok, feats, kv = _pad_positions(e, _pick(out.logits, temperature, key), out.features, out.new_kv)
     return target_tok, feats, kv, ~jnp.all(jnp.isfinite(out.logits))
 
 
@@ -226,7 +231,8 @@ def _round(target, proposer, params, st: DecodeState, *, k, temperature, max_new
     widths None: every round verifies the whole block of K. Otherwise the round verifies the first w of it, w
     from `widths` (each a branch of one lax.switch, so each compiles once) chosen by `choose_width` from the
     proposer's confidence (or, where it has none, the acceptance measured so far for the row's source) and the
-    measured cost of a round at each width. tree (nodes, top): a DDTree round (`_verify_tree`) instead."""
+    measured cost of a round at each width. tree (nodes, top): a tree round (`_verify_tree`: DDTree, or the proposer's
+    own tree), with widths the first w of its nodes, w chosen by `_best_rate` from the nodes' path probabilities."""
     b = st.n.shape[0]
     start = st.n - 1
     last = jnp.take_along_axis(st.history, start[:, None], axis=1)[:, 0]
@@ -266,7 +272,7 @@ def _round(target, proposer, params, st: DecodeState, *, k, temperature, max_new
         target_tok, a, feats, kv, nonfinite = jax.lax.switch(choice, branches, st, last, prop.tokens, key)
         cache = st.cache.append(*kv)  # positions past the chosen width hold padding, above what crop keeps
         width = jnp.asarray(widths, jnp.int32)[choice]
-    drafts = prop.tokens  # [B, K-1]; a tree round records the drafter's greedy chain
+    drafts = prop.tokens  # [B, K-1]; a tree round records its likeliest chain (DDTree: the drafter's greedy block)
     # Draft j was tried when it was verified and drafts 1..j-1 were accepted; hit when it was accepted too.
     j = jnp.arange(1, k)[None, :]
     tried_BJ = (live[:, None] & (j < width) & (a[:, None] >= j - 1)).astype(jnp.float32)

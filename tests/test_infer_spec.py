@@ -138,16 +138,16 @@ def test_batch_one_and_plain_engine():
     assert all(g.accept_lengths == [1] * (MAX_NEW - 1) and g.proposals == [[]] * (MAX_NEW - 1) for g in plain)
 
 
-def _reply_case(family="qwen3"):
+def _reply_case():
     """(prompts, their plain greedy continuations, a reply index over other prompts' greedy replies and a corrupted
     copy of these prompts' own, so that reply drafts are both accepted and rejected)."""
     from infer.replies import build_index
 
     prompts = _prompts(seed=4)
-    ref = _plain(family, prompts)
+    ref = _plain("qwen3", prompts)
     other = _prompts(seed=5)
     corrupt = [[t if i % 5 else (t + 1) % 512 for i, t in enumerate(r)] for r in ref]
-    rows = [(p, r) for p, r in zip(other, _plain(family, other))] + list(zip(prompts, corrupt))
+    rows = [(p, r) for p, r in zip(other, _plain("qwen3", other))] + list(zip(prompts, corrupt))
     ids = np.concatenate([p + r for p, r in rows]).astype(np.int32)
     mask = np.concatenate([[False] * len(p) + [True] * len(r) for p, r in rows])
     return prompts, ref, build_index(ids, mask, np.cumsum([0] + [len(p) + len(r) for p, r in rows]))
@@ -587,7 +587,7 @@ def test_tree_engine_refuses_what_it_cannot_do():
     from infer.proposers import LookupTreeProposer
 
     with pytest.raises(ValueError, match="drafts trees only"):
-        Engine(_target("qwen3"), LookupTreeProposer(), _reply_case()[2], block_size=4, max_new_tokens=4)
+        Engine(_target("qwen3"), LookupTreeProposer(), None, block_size=4, max_new_tokens=4)
 
 
 @pytest.mark.parametrize("family,adaptive", [("qwen3", False), ("llama", False), ("qwen3", True)])

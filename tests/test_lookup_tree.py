@@ -2,13 +2,14 @@
 against dict-of-counts references, and `tree.grow_tree` against brute-force enumeration of every path."""
 
 import collections
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from infer.proposers import context_followers
+from infer.proposers import LookupTreeProposer, context_followers
 from infer.replies import FOLLOWERS, build_index, followers
 from infer.tree import grow_tree
 
@@ -44,7 +45,7 @@ def test_reply_followers_are_the_most_frequent_with_their_shares():
 
 
 def _context_reference(seq, max_n, fanout):
-    """(followers, most frequent first, ties to the earliest occurrence; their shares; the suffix length)."""
+    """(followers, most frequent first, ties to the latest occurrence; their shares; the suffix length)."""
     for n in range(max_n, 0, -1):
         if len(seq) < n + 1:
             continue
@@ -52,8 +53,8 @@ def _context_reference(seq, max_n, fanout):
         if ends:
             follow = [seq[i + 1] for i in ends]
             counts = collections.Counter(follow)
-            first = {t: follow.index(t) for t in counts}
-            ranked = sorted(counts, key=lambda t: (-counts[t], first[t]))[:fanout]
+            last = {t: max(i for i, x in enumerate(follow) if x == t) for t in counts}
+            ranked = sorted(counts, key=lambda t: (-counts[t], -last[t]))[:fanout]
             return ranked, [counts[t] / len(ends) for t in ranked], n
     return [], [], 0
 
@@ -121,3 +122,61 @@ def test_grow_tree_keeps_the_likeliest_paths_best_first():
         assert set(np.flatnonzero(np.asarray(tree.visible[i])).tolist()) == ancestors
     assert [paths[i] for i in range(1, nodes + 1)] == [p for _, p in best]
     np.testing.assert_allclose(np.asarray(score[1:]), [s for s, _ in best], rtol=1e-5)
+
+
+def _reference_children(seq, table, proposer: LookupTreeProposer, index_max_n: int):
+    """{token: probability} of every candidate after seq, as LookupTreeProposer.children scores them (before its
+    top-`fanout` cut): context followers (top FOLLOWERS) and reply followers (top FOLLOWERS), weighted, merged."""
+    ctx_tok, ctx_share, ctx_n = _context_reference(seq, proposer.max_n, FOLLOWERS)
+    p = {t: proposer.context_weight[ctx_n] * s for t, s in zip(ctx_tok, ctx_share)}
+    order = next((n for n in range(index_max_n, 0, -1) if len(seq) >= n and tuple(seq[-n:]) in table), 0)
+    if order:
+        counts = table[tuple(seq[-order:])]
+        for t, c in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:FOLLOWERS]:
+            q = proposer.reply_weight[order] * c / sum(counts.values())
+            p[t] = 1 - (1 - p.get(t, 0.0)) * (1 - q)
+    total = max(sum(p.values()), 1.0)
+    return {t: q / total for t, q in p.items()}
+
+
+def test_lookup_tree_nodes_are_scored_from_their_own_paths():
+    """Two rows of different lengths, stale tokens past each: every node of the grown tree is a candidate of its
+    parent's text (the committed tokens plus the parent's path) with the reference's probability, its path
+    probability is its parent's times that, and its siblings are the likeliest candidates of that text."""
+    vocab = 7
+    rng = np.random.default_rng(3)
+    records = [rng.integers(0, vocab, int(rng.integers(4, 30))).tolist() for _ in range(40)]
+    table = collections.defaultdict(collections.Counter)
+    for ids in records:
+        for i in range(2, len(ids)):
+            for n in (1, 2, 3, 4):
+                if i - n >= 0:
+                    table[tuple(ids[i - n : i])][ids[i]] += 1
+    mask = np.concatenate([[i >= 2 for i in range(len(r))] for r in records])
+    offsets = np.cumsum([0] + [len(r) for r in records])
+    index = build_index(np.concatenate(records).astype(np.int32), mask, offsets, min_n=1, max_n=4)
+    proposer = LookupTreeProposer()
+    lengths = [3, 17]
+    history = rng.integers(0, vocab, (2, 40)).astype(np.int32)  # past each length: stale tokens, never read
+    target = SimpleNamespace(target_config=SimpleNamespace(vocab_size=vocab))
+    nodes, k = 9, 10
+    score, tree = jax.jit(lambda h, n: proposer.propose_tree(index, target, None, h, n, k, nodes))(
+        jnp.asarray(history), jnp.asarray(lengths, jnp.int32)
+    )
+    for b, n in enumerate(lengths):
+        paths = {0: ()}
+        for i in range(1, nodes + 1):
+            if not bool(tree.valid[b, i]):
+                continue
+            parent = int(tree.parent[b, i])
+            text = history[b, :n].tolist() + list(paths[parent])
+            cands = _reference_children(text, table, proposer, 4)
+            tok = int(tree.token[b, i])
+            assert tok in cands, (b, i, text, tok, cands)
+            np.testing.assert_allclose(float(score[b, i]), float(score[b, parent]) * cands[tok], rtol=1e-5)
+            kept = {
+                int(tree.token[b, j]) for j in range(1, nodes + 1) if tree.valid[b, j] and tree.parent[b, j] == parent
+            }
+            assert cands[tok] >= max([q for t, q in cands.items() if t not in kept], default=0.0) - 1e-6
+            paths[i] = (*paths[parent], tok)
+        assert len(paths) > 3  # the tree grew past the root's children

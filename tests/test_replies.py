@@ -190,6 +190,8 @@ def test_draft_spec_loads_a_reply_file(tmp_path):
     assert load_draft_spec(f"adaptive:lookuptree:{tmp_path / 'r.npz'}", cfg).engine_options() == dict(
         block_size=8, adaptive=True, tree_nodes=7
     )
+    with pytest.raises(ValueError, match="lookuptreeN, not @K"):
+        load_draft_spec(f"lookuptree:{tmp_path / 'r.npz'}", cfg, block=16)
 
 
 def test_reply_lookup_takes_context_matches_then_replies_then_short_matches():

@@ -89,8 +89,9 @@ def test_tree_forward_without_cache_write_equals_writing_tree_forward(family):
     read = step(model, nodes, cache, tree=tree, write_cache=False)
     np.testing.assert_allclose(read.logits, written.logits, atol=1e-5, rtol=0)
     appended = cache.append(*read.new_kv)
-    np.testing.assert_allclose(appended.k[:, 0, :20], written.cache.k[:, 0, :20], atol=1e-5, rtol=0)
-    np.testing.assert_allclose(appended.v[:, 1, :26], written.cache.v[:, 1, :26], atol=1e-5, rtol=0)
+    for got, want in ((appended.k, written.cache.k), (appended.v, written.cache.v)):
+        np.testing.assert_allclose(got[:, 0, :20], want[:, 0, :20], atol=1e-5, rtol=0)  # row 0: 14 + 6 nodes
+        np.testing.assert_allclose(got[:, 1, :26], want[:, 1, :26], atol=1e-5, rtol=0)
     # A node's logits are its path's: node 5 (path 1, 3, 5) as a plain sequence after the cache.
     path = fwd(model, nodes[:, jnp.asarray([0, 1, 3, 5])], cache)
     np.testing.assert_allclose(read.logits[:, 5], path.logits[:, 3], atol=1e-5, rtol=0)
