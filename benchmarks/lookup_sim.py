@@ -92,14 +92,15 @@ class Replies:
 
 
 def context_followers(seq, max_n: int):
-    """(n, Counter of the tokens after each earlier occurrence of seq's last n tokens), n the longest with any."""
+    """(n, Counter of the tokens after each earlier occurrence of seq's last n tokens, {token: its latest
+    occurrence's end}), n the longest with any."""
     for n in range(max_n, 0, -1):
         if len(seq) >= n + 1:
             suffix = seq[-n:]
-            c = collections.Counter(seq[i + 1] for i in range(n - 1, len(seq) - 1) if seq[i - n + 1 : i + 1] == suffix)
-            if c:
-                return n, c
-    return 0, collections.Counter()
+            ends = [i for i in range(n - 1, len(seq) - 1) if seq[i - n + 1 : i + 1] == suffix]
+            if ends:
+                return n, collections.Counter(seq[i + 1] for i in ends), {seq[i + 1]: i for i in ends}
+    return 0, collections.Counter(), {}
 
 
 def prompt_lookup(seq, k: int, max_n: int = 3):
@@ -141,10 +142,15 @@ def reply_chain(seq, k, replies):
 
 
 def tree_children(seq, replies, ctx_weight, rep_weight, ctx_max_n, fanout=4):
-    """LookupTreeProposer.children: each lookup's followers, weighted by order, merged, scaled to sum <= 1."""
-    nc, cc = context_followers(seq, ctx_max_n)
+    """LookupTreeProposer.children: each lookup's 4 likeliest followers (context ties to the latest occurrence,
+    reply ties to the smaller id), weighted by order, merged, scaled to sum <= 1; the top `fanout` (ties to the
+    smaller id: the engine's `top_k` breaks them by slot, so a tied tree can differ there)."""
+    nc, cc, last = context_followers(seq, ctx_max_n)
     nr, cr = replies.followers(seq)
-    pc = {t: ctx_weight[nc] * c / sum(cc.values()) for t, c in cc.items()} if cc else {}
+    pc = {}
+    if cc:
+        top = sorted(cc.items(), key=lambda kv: (-kv[1], -last[kv[0]]))[:4]
+        pc = {t: ctx_weight[nc] * c / sum(cc.values()) for t, c in top}
     ranked = sorted(cr.items(), key=lambda kv: (-kv[1], kv[0]))[:4] if cr else []
     pr = {t: rep_weight[nr] * c / sum(cr.values()) for t, c in ranked}
     p = {t: 1 - (1 - pc.get(t, 0.0)) * (1 - pr.get(t, 0.0)) for t in set(pc) | set(pr)}
@@ -198,7 +204,7 @@ def calibrate(rows, replies, ctx_max_n):
         prompt, out = r["prompt"], r["out"]
         for n in range(1, len(out)):
             seq, truth = prompt + out[:n], out[n]
-            nc, cc = context_followers(seq, ctx_max_n)
+            nc, cc, _ = context_followers(seq, ctx_max_n)
             nr, cr = replies.followers(seq)
             found = [("context", nc, cc.items() if cc else [])]
             found.append(("replies", nr, sorted(cr.items(), key=lambda kv: -kv[1])[:4] if cr else []))
