@@ -31,6 +31,28 @@ class DraftTree:
     visible: jax.Array  # [B, E, E] bool: visible[i, m] iff m is i or one of its ancestors
     valid: jax.Array  # [B, E] bool: False for nodes past the available prefixes (never matched)
 
+    @classmethod
+    def root_only(cls, e: int) -> DraftTree:
+        """One row's tree of E node slots holding only the root (node 0); the builders fill the others in order."""
+        return cls(
+            token=jnp.zeros((e,), jnp.int32),
+            parent=jnp.zeros((e,), jnp.int32),
+            depth=jnp.zeros((e,), jnp.int32),
+            visible=jnp.eye(e, dtype=bool),
+            valid=jnp.zeros((e,), bool).at[0].set(True),
+        )
+
+    def place(self, i, ok, token, parent, depth) -> DraftTree:
+        """One row's tree with node i set to `token` under `parent` at `depth`, seeing its parent's ancestors and
+        itself; where not ok (no candidate was left), node i stays invalid."""
+        return self.replace(
+            token=self.token.at[i].set(jnp.where(ok, token, 0)),
+            parent=self.parent.at[i].set(jnp.where(ok, parent, 0)),
+            depth=self.depth.at[i].set(jnp.where(ok, depth, 1)),
+            visible=self.visible.at[i].set(self.visible[i] | (ok & self.visible[parent])),
+            valid=self.valid.at[i].set(ok),
+        )
+
 
 @jax.named_scope("tree_build")
 def build_tree(tokens_BJO, logp_BJO, nodes: int) -> DraftTree:
@@ -51,26 +73,14 @@ def _build_row(tok_JO, logp_JO, nodes: int) -> DraftTree:
         rank=jnp.zeros((f,), jnp.int32),
         parent=jnp.zeros((f,), jnp.int32),
     )
-    tree = DraftTree(
-        token=jnp.zeros((e,), jnp.int32),
-        parent=jnp.zeros((e,), jnp.int32),
-        depth=jnp.zeros((e,), jnp.int32),
-        visible=jnp.eye(e, dtype=bool),
-        valid=jnp.zeros((e,), bool).at[0].set(True),
-    )
+    tree = DraftTree.root_only(e)
 
     def pop(i, carry):
         fr, tr = carry
         best = jnp.argmax(fr["score"])
         ok = fr["score"][best] > neg
         d, r, par, score = fr["depth"][best], fr["rank"][best], fr["parent"][best], fr["score"][best]
-        tr = tr.replace(
-            token=tr.token.at[i].set(jnp.where(ok, tok_JO[d - 1, r], 0)),
-            parent=tr.parent.at[i].set(jnp.where(ok, par, 0)),
-            depth=tr.depth.at[i].set(jnp.where(ok, d, 1)),
-            visible=tr.visible.at[i].set(tr.visible[i] | (ok & tr.visible[par])),
-            valid=tr.valid.at[i].set(ok),
-        )
+        tr = tr.place(i, ok, tok_JO[d - 1, r], par, d)
         # Its first child goes to slot 2i - 1, its next sibling to slot 2i (each pop frees one slot, fills two).
         child_ok = ok & (d < depths)
         child = jnp.where(child_ok, score + logp_JO[jnp.minimum(d, depths - 1), 0], neg)
@@ -138,13 +148,7 @@ def grow_tree(children, nodes: int, fanout: int, max_depth: int):
         parent=jnp.zeros((slots,), jnp.int32),
         depth=jnp.zeros((slots,), jnp.int32).at[:fanout].set(1),
     )
-    tree = DraftTree(
-        token=jnp.zeros((e,), jnp.int32),
-        parent=jnp.zeros((e,), jnp.int32),
-        depth=jnp.zeros((e,), jnp.int32),
-        visible=jnp.eye(e, dtype=bool),
-        valid=jnp.zeros((e,), bool).at[0].set(True),
-    )
+    tree = DraftTree.root_only(e)
     paths_EJ = jnp.zeros((e, max_depth), jnp.int32)
     score_E = jnp.zeros((e,), jnp.float32).at[0].set(1.0)
 
@@ -154,13 +158,7 @@ def grow_tree(children, nodes: int, fanout: int, max_depth: int):
         score, d, par, token = fr["score"][best], fr["depth"][best], fr["parent"][best], fr["token"][best]
         ok = score > 0
         path_J = paths_EJ[par].at[jnp.clip(d - 1, 0, max_depth - 1)].set(token)
-        tr = tr.replace(
-            token=tr.token.at[i].set(jnp.where(ok, token, 0)),
-            parent=tr.parent.at[i].set(jnp.where(ok, par, 0)),
-            depth=tr.depth.at[i].set(jnp.where(ok, d, 1)),
-            visible=tr.visible.at[i].set(tr.visible[i] | (ok & tr.visible[par])),
-            valid=tr.valid.at[i].set(ok),
-        )
+        tr = tr.place(i, ok, token, par, d)
         tok_O, p_O = children(path_J, d)
         child_score = jnp.where(ok & (d < max_depth), score * p_O.astype(jnp.float32), 0.0)
         at = fanout * i + jnp.arange(fanout)
