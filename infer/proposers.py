@@ -1,5 +1,5 @@
 """Draft proposers for the speculative engine: none (plain decoding), n-gram prompt lookup, prompt lookup backed by
-the target's past replies, DFlash, and the hybrids of DFlash with either lookup.
+the target's past replies, a draft tree grown from both lookups, DFlash, and the hybrids of DFlash with either lookup.
 
 A proposer is a small frozen (hashable) object, static under jit, whose methods are pure functions of
 explicit arguments; its parameters (if any) travel separately as a pytree `params`. The engine calls:
@@ -15,6 +15,8 @@ explicit arguments; its parameters (if any) travel separately as a pytree `param
   propose_scored(...same...) -> Proposal     (optional: what an adaptive verify width is chosen from; `scored`
       gives proposers without it the defaults)
   propose_top(...same..., top) -> ([B, K-1, top] tokens, [B, K-1, top] log-probs)   (optional: a draft tree's)
+  propose_tree(...same..., nodes) -> ([B, E] path probabilities, DraftTree)   (optional: a tree grown by the
+      proposer itself, e.g. the lookup tree; the engine verifies it instead of building one from propose_top)
 
 Dimension letters: docs/glossary.md (one glossary for the repository).
 """

@@ -10,6 +10,10 @@ token of the next depth) and its next sibling (raise its last rank by one), neit
 prefix is reached exactly once that way. Popping the best of a frontier N times, pushing both successors of each
 pop, visits the N best prefixes in order with a frontier of at most 2N + 1 (fixed shapes: one compile per N).
 
+`grow_tree` builds the other kind: a tree whose children depend on their parent's path (the lookup tree,
+`proposers.LookupTreeProposer`), best first by path probability, each popped node's children computed from its
+own path.
+
 Node 0 is the root: the last committed token, at depth 0. Node i >= 1 was popped i-th, so its parent has a lower
 index. The tree is hand-written: no JAX library builds or walks draft trees.
 
