@@ -272,10 +272,6 @@ class LookupTreeProposer(Stateless):
         rep_tok, rep_share, rep_order = followers(index, tail, jnp.minimum(length, index.max_n)[None])
         rep_tok, rep_share, rep_order = rep_tok[0], rep_share[0], rep_order[0]
         p_ctx = jnp.asarray(self.context_weight, jnp.float32)[ctx_order] * ctx_share
-        if index.max_n >= len(self.reply_weight):
-            raise ValueError(
-                f"reply_weight has weights for orders up to {len(self.reply_weight) - 1}, the index {index.max_n}"
-            )
         p_rep = jnp.asarray(self.reply_weight, jnp.float32)[rep_order] * rep_share
         same = (ctx_tok[:, None] == rep_tok[None, :]) & (p_ctx[:, None] > 0) & (p_rep[None, :] > 0)
         p_ctx = 1.0 - (1.0 - p_ctx) * (1.0 - jnp.sum(jnp.where(same, p_rep[None, :], 0.0), axis=1))
@@ -288,6 +284,10 @@ class LookupTreeProposer(Stateless):
     def propose_tree(self, params, target, state, history_BC, n_B, k, nodes: int):
         """([B, E] each node's path probability, DraftTree of E = nodes + 1, node 0 the last committed token), its
         paths at most k - 1 deep."""
+        if params.max_n >= len(self.reply_weight):
+            raise ValueError(
+                f"reply_weight has weights for orders up to {len(self.reply_weight) - 1}, the index {params.max_n}"
+            )
         vocab = config_of(target).vocab_size
         c = history_BC.shape[1]
         depth_max = k - 1
