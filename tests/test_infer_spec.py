@@ -141,16 +141,25 @@ def test_batch_one_and_plain_engine():
 def _reply_case():
     """(prompts, their plain greedy continuations, a reply index over other prompts' greedy replies and a corrupted
     copy of these prompts' own, so that reply drafts are both accepted and rejected)."""
-    from infer.replies import build_index
-
     prompts = _prompts(seed=4)
     ref = _plain("qwen3", prompts)
     other = _prompts(seed=5)
-    corrupt = [[t if i % 5 else (t + 1) % 512 for i, t in enumerate(r)] for r in ref]
-    rows = [(p, r) for p, r in zip(other, _plain("qwen3", other))] + list(zip(prompts, corrupt))
+    rows = [(p, r) for p, r in zip(other, _plain("qwen3", other))] + list(zip(prompts, _corrupted(ref)))
+    return prompts, ref, _reply_index(rows)
+
+
+def _corrupted(replies):
+    """The replies with every 5th token changed (drafts from them are right, then wrong)."""
+    return [[t if i % 5 else (t + 1) % 512 for i, t in enumerate(r)] for r in replies]
+
+
+def _reply_index(rows, **kw):
+    """A reply index (infer.replies.build_index) over (prompt, reply) rows, the replies' tokens indexed."""
+    from infer.replies import build_index
+
     ids = np.concatenate([p + r for p, r in rows]).astype(np.int32)
     mask = np.concatenate([[False] * len(p) + [True] * len(r) for p, r in rows])
-    return prompts, ref, build_index(ids, mask, np.cumsum([0] + [len(p) + len(r) for p, r in rows]))
+    return build_index(ids, mask, np.cumsum([0] + [len(p) + len(r) for p, r in rows]), **kw)
 
 
 @pytest.mark.parametrize("adaptive", [False, True])
@@ -598,15 +607,10 @@ def test_lookup_tree_decoding_equals_plain_greedy(family, adaptive):
     Adaptive: the round verifies the first w nodes, w chosen per round; with costs that make a wide verify dear,
     it verifies several widths, each branch compiled once."""
     from infer.proposers import LookupTreeProposer
-    from infer.replies import build_index
 
     prompts = _prompts(seed=4)
     ref = _plain(family, prompts)
-    corrupt = [[t if i % 5 else (t + 1) % 512 for i, t in enumerate(r)] for r in ref]
-    rows = list(zip(prompts, ref)) + list(zip(prompts, corrupt)) * 2
-    ids = np.concatenate([p + r for p, r in rows]).astype(np.int32)
-    mask = np.concatenate([[False] * len(p) + [True] * len(r) for p, r in rows])
-    index = build_index(ids, mask, np.cumsum([0] + [len(p) + len(r) for p, r in rows]))
+    index = _reply_index(list(zip(prompts, ref)) + list(zip(prompts, _corrupted(ref))) * 2)
     nodes = 7
     engine = Engine(
         _target(family),
