@@ -37,7 +37,7 @@ rc=$?
 echo "[$(( $(date +%s) - t0 )) s] regeneration ended (rc $rc)"
 $py -c "from train.regenerate import read_done; print(len(read_done('$w/regen_gpu.jsonl')), 'GPU replies')"
 gzip -c "$w/regen_gpu.jsonl" > "$OUT/regen_gpu.jsonl.gz"
-{ zcat .dev/c/replies_cpu.jsonl.gz; cat "$w/regen_gpu.jsonl"; } > "$w/train.jsonl"
+{ zcat .dev/c/replies_prev.jsonl.gz; cat "$w/regen_gpu.jsonl"; } > "$w/train.jsonl"
 run=runs/smollm2-135m-gpu-b16
 $py tools/gpu_burst/train_budget.py --deadline $(( t0 + TOTAL_S )) --config smollm2-135m-gpu \
   "data.source=$w/train.jsonl" "run_dir=$run" drafter.init=.dev/b/drafter ${TRAIN_ARGS:-}

@@ -3,39 +3,89 @@ one device call's 64 MiB transfer limit:
 
   .dev/a/  the first 65 MB of the SmolLM2 GGUF
   .dev/b/  the rest of the GGUF and the shipped drafter the run starts from
-  .dev/c/  the cached tokenizer, the ShareGPT first-turn prompts still to regenerate, the replies regenerated here
-           already, and the Python wheels the device image lacks
+  .dev/c/  the cached tokenizer, the prompts still to regenerate, the replies regenerated already (to train on
+           beside the new ones), and the Python wheels the device image lacks
 The tree that travels with each call must be small meanwhile (docs/, tests/ and drafters/ moved aside).
 
-    .venv/bin/python tools/gpu_burst/pack.py [--skip 4216]
+    .venv/bin/python tools/gpu_burst/pack.py [--skip 4216] [--replies FILE ...] [--code N]
 
 The prompts are the eligible ones (first turn of at most 256 tokens under the chat template) of ShareGPT records
-after --skip, in regenerate's own plan order, written as {id, messages} JSONL.
+after --skip whose id is in none of the --replies files, in regenerate's own plan order, then with --code up to N
+code-completion prompts made from this Python's standard library (`stdlib_code_prompts`), written as
+{id, messages} JSONL.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import gzip
 import json
 import shutil
+import sysconfig
 from pathlib import Path
 
 from data.assets import smollm2_gguf
-from data.conversations import load_conversations
+from data.conversations import iter_jsonl, load_conversations
 from dflash_model.files import cache_root
 from dflash_model.tokenizer import converted_tokenizer_dir, load_tokenizer
 from train.regenerate import plan
 
 ROOT = Path(__file__).resolve().parents[2]
 PART = 65_000_000
+# Standard-library folders left out of the code prompts: tests, GUIs, installers and demos.
+STDLIB_SKIP = {"test", "tests", "idlelib", "site-packages", "lib2to3", "tkinter", "turtledemo", "ensurepip", "venv"}
+
+
+def stdlib_code_prompts(limit: int) -> list[dict]:
+    """Code-completion prompts from this Python's standard library, in the shape of HumanEval's (a signature and its
+    docstring, the body left to the model): each public top-level function and public method of a public class
+    with a docstring of at least 60 characters, in sorted file order. No benchmark prompt comes from here, so the
+    target's replies to them are training data for code without touching an evaluation set.
+    """
+    root = Path(sysconfig.get_paths()["stdlib"])
+    rows: list[dict] = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if STDLIB_SKIP & set(rel.parts):
+            continue
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError):
+            continue
+        classes = [c for c in tree.body if isinstance(c, ast.ClassDef) and not c.name.startswith("_")]
+        funcs = [(f.name, f) for f in tree.body if isinstance(f, ast.FunctionDef)]
+        funcs += [(f"{c.name}.{f.name}", f) for c in classes for f in c.body if isinstance(f, ast.FunctionDef)]
+        for name, f in funcs:
+            doc = ast.get_docstring(f, clean=False)
+            if f.name.startswith("_") or not doc or len(doc) < 60:
+                continue
+            stub = ast.FunctionDef(
+                name=f.name, args=f.args, body=[ast.Expr(ast.Constant(doc))], decorator_list=[], returns=f.returns
+            )
+            text = ast.unparse(ast.fix_missing_locations(stub)) + "\n"
+            rows.append({"id": f"stdlib/{rel.as_posix()}:{name}", "messages": [{"role": "user", "content": text}]})
+            if len(rows) == limit:
+                return rows
+    return rows
+
+
+def read_ids(path: Path) -> list[str]:
+    """The ids of a reply JSONL, gzipped or not."""
+    if path.suffix == ".gz":
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            return [json.loads(line)["id"] for line in f.read().split("\n") if line.strip()]
+    return [r["id"] for _, r in iter_jsonl(path)]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--skip", type=int, default=4216, help="ShareGPT records already planned on the CPU")
     cpu_replies = cache_root() / "regenerated/smollm2-sharegpt-skip216-n4000-p256-t256.jsonl"
-    ap.add_argument("--replies", default=str(cpu_replies), help="the replies regenerated on the CPU already")
+    ap.add_argument(
+        "--replies", nargs="+", default=[str(cpu_replies)], help="replies regenerated already (JSONL, or .jsonl.gz)"
+    )
+    ap.add_argument("--code", type=int, default=0, help="add up to N standard-library code-completion prompts")
     args = ap.parse_args()
     dev = ROOT / ".dev"
     a, b, c = dev / "a", dev / "b", dev / "c"
@@ -52,17 +102,24 @@ def main() -> None:
     tok_dir = converted_tokenizer_dir(gguf)  # job.sh gives the GGUF this mtime again, so the cache key matches there
     shutil.make_archive(str(c / "tokenizers"), "gztar", tok_dir.parent, tok_dir.name)
     convs, _ = load_conversations("sharegpt", skip=args.skip, require_assistant=False)
-    eligible, skipped = plan(convs, tok, 256)
+    done = {i for r in args.replies for i in read_ids(Path(r))}
+    eligible, skipped = plan([cv for cv in convs if cv["id"] not in done], tok, 256)
+    code = stdlib_code_prompts(args.code) if args.code else []
     with gzip.open(c / "prompts.jsonl.gz", "wt", encoding="utf-8") as f:
         for rid, prompt, _ in eligible:
             f.write(json.dumps({"id": rid, "messages": prompt}, ensure_ascii=False) + "\n")
-    with open(args.replies, "rb") as src, gzip.open(c / "replies_cpu.jsonl.gz", "wb") as dst:
-        shutil.copyfileobj(src, dst)
+        for row in code:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    with gzip.open(c / "replies_prev.jsonl.gz", "wb") as dst:
+        for r in args.replies:
+            with (gzip.open if r.endswith(".gz") else open)(r, "rb") as src:
+                shutil.copyfileobj(src, dst)
     if not (dev / "whl").is_dir():
         raise SystemExit(f"{dev / 'whl'}: no wheels; download them first (tools/gpu_burst/README.md)")
     shutil.copytree(dev / "whl", c / "whl")
     sizes = {p.relative_to(dev).as_posix(): p.stat().st_size for p in dev.rglob("*") if p.is_file()}
-    print(json.dumps({"prompts": len(eligible), "skipped": dict(skipped), "bytes": sizes}, indent=1))
+    counts = {"prompts": len(eligible), "code_prompts": len(code), "already_done": len(done)}
+    print(json.dumps({**counts, "skipped": dict(skipped), "bytes": sizes}, indent=1))
 
 
 if __name__ == "__main__":
