@@ -183,8 +183,8 @@ def save_replies(path: Path, arrays: dict[str, np.ndarray], vocab_size: int) -> 
         np.savez_compressed(f, format=np.int64(FORMAT), vocab_size=np.int64(vocab_size), **arrays)
 
 
-def load_index(path, vocab_size: int, *, min_n: int = 2, max_n: int = 4) -> ReplyIndex:
-    """The index of a reply file written by `python -m infer.replies`, checked against the target's vocabulary."""
+def load_replies(path, vocab_size: int) -> dict[str, np.ndarray]:
+    """The arrays of a reply file written by `python -m infer.replies`, checked against the target's vocabulary."""
     path = Path(path).expanduser()
     try:
         z = np.load(path)
@@ -196,7 +196,23 @@ def load_index(path, vocab_size: int, *, min_n: int = 2, max_n: int = 4) -> Repl
         raise ValueError(f"{path}: reply file format {fmt}, this code reads {FORMAT}: rebuild it")
     if vocab != vocab_size:
         raise ValueError(f"{path}: its replies were tokenized for a vocabulary of {vocab}, the target has {vocab_size}")
-    return build_index(**arrays, min_n=min_n, max_n=max_n)
+    return arrays
+
+
+def concat_replies(first: dict[str, np.ndarray], second: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Two reply files' arrays as one: the second's records after the first's."""
+    offsets = np.concatenate([first["offsets"], second["offsets"][1:] + first["offsets"][-1]])
+    ids = np.concatenate([first["input_ids"], second["input_ids"]]).astype(np.int32)
+    return {
+        "input_ids": ids,
+        "loss_mask": np.concatenate([first["loss_mask"], second["loss_mask"]]),
+        "offsets": offsets,
+    }
+
+
+def load_index(path, vocab_size: int, *, min_n: int = 2, max_n: int = 4) -> ReplyIndex:
+    """The index of a reply file written by `python -m infer.replies`, checked against the target's vocabulary."""
+    return build_index(**load_replies(path, vocab_size), min_n=min_n, max_n=max_n)
 
 
 def main(argv=None) -> int:
@@ -211,6 +227,7 @@ def main(argv=None) -> int:
     ap.add_argument("--limit", type=int, default=None, help="records read after the skipped ones")
     ap.add_argument("--max-len", type=int, default=4096, help="tokens kept of each conversation")
     ap.add_argument("--out", required=True, type=Path, help="the reply file (.npz) to write")
+    ap.add_argument("--base", type=Path, default=None, help="a reply file whose replies come first (to grow it)")
     args = ap.parse_args(argv)
     target = load_target_spec(args.target)
     if target.tokenizer is None:
@@ -218,6 +235,11 @@ def main(argv=None) -> int:
     convs, _ = load_conversations(args.input, limit=args.limit, skip=args.skip)
     records, _ = tokenize_all(convs, target.tokenizer, args.max_len)
     arrays = stored_replies(records)
+    if args.base is not None:
+        try:
+            arrays = concat_replies(load_replies(args.base, target.config.vocab_size), arrays)
+        except ValueError as e:
+            raise SystemExit(f"--base {e}") from None
     save_replies(args.out, arrays, target.config.vocab_size)
     replies, tokens = len(arrays["offsets"]) - 1, int(arrays["loss_mask"].sum())
     size_mb = args.out.stat().st_size / 1e6

@@ -12,8 +12,10 @@ from data.pipeline import TokenizedRecords
 from infer.replies import (
     MAX_ORDER,
     build_index,
+    concat_replies,
     continue_rows,
     load_index,
+    load_replies,
     ngram_hash,
     save_replies,
     stored_replies,
@@ -139,6 +141,12 @@ def test_reply_file_round_trip_and_refusals(tmp_path):
     assert np.asarray(tokens).tolist() == [[2, 2], [1, 1]] and not bool(jnp.any(found))
     with pytest.raises(ValueError, match="1 <= min_n <= max_n"):
         build_index(*_flat([(rec_ids[1], rec_mask[1])]), min_n=3, max_n=2)
+    # A grown file (`--base`) holds the base's records, then the new ones, each span as before.
+    extra = stored_replies(TokenizedRecords.from_examples([{"input_ids": [7, 8, 9], "loss_mask": [0, 1, 1]}]))
+    grown = concat_replies(load_replies(path, 512), extra)
+    g_offs = grown["offsets"]
+    assert [grown["input_ids"][g_offs[i] : g_offs[i + 1]].tolist() for i in range(4)] == [*spans, [7, 8, 9]]
+    assert grown["loss_mask"].tolist() == arrays["loss_mask"].tolist() + [False, True, True]
 
 
 @pytest.mark.slow
