@@ -251,9 +251,10 @@ class LookupTreeProposer(Stateless):
     are the held-out eval prompts). A token both lookups propose gets 1 - (1 - p_context)(1 - p_replies), and a
     node's probabilities are scaled to sum to at most 1."""
 
-    max_n: int = 5  # longest context suffix looked up
+    max_n: int = 8  # longest context suffix looked up
     fanout: int = 4  # children per node
-    context_weight: tuple[float, ...] = (0.0, 0.45, 0.7, 0.77, 0.85, 0.97)  # by context suffix length 0..max_n
+    # By context suffix length 0..max_n; the slope of the longest is capped at 0.97 (1.04 measured).
+    context_weight: tuple[float, ...] = (0.0, 0.45, 0.7, 0.77, 0.85, 0.88, 0.89, 0.92, 0.97)
     reply_weight: tuple[float, ...] = (0.0, 0.3, 0.42, 0.5, 0.6)  # by reply n-gram order 0..index.max_n
     name: str = "lookup-tree"
 

@@ -7,7 +7,7 @@ one device call's 64 MiB transfer limit:
            beside the new ones), and the Python wheels the device image lacks
 The tree that travels with each call must be small meanwhile (docs/, tests/ and drafters/ moved aside).
 
-    .venv/bin/python tools/gpu_burst/pack.py [--skip 4216] [--replies FILE ...] [--code N]
+    .venv/bin/python tools/gpu_burst/pack.py [--skip 216] [--replies FILE ...] [--code N]
 
 The prompts are the eligible ones (first turn of at most 256 tokens under the chat template) of ShareGPT records
 after --skip whose id is in none of the --replies files, in regenerate's own plan order, then with --code up to N
@@ -27,7 +27,6 @@ from pathlib import Path
 
 from data.assets import smollm2_gguf
 from data.conversations import iter_jsonl, load_conversations
-from dflash_model.files import cache_root
 from dflash_model.tokenizer import converted_tokenizer_dir, load_tokenizer
 from train.regenerate import plan
 
@@ -80,11 +79,9 @@ def read_ids(path: Path) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--skip", type=int, default=4216, help="ShareGPT records already planned on the CPU")
-    cpu_replies = cache_root() / "regenerated/smollm2-sharegpt-skip216-n4000-p256-t256.jsonl"
-    ap.add_argument(
-        "--replies", nargs="+", default=[str(cpu_replies)], help="replies regenerated already (JSONL, or .jsonl.gz)"
-    )
+    ap.add_argument("--skip", type=int, default=216, help="ShareGPT records passed over (216: the held-out ones)")
+    committed = [str(ROOT / f"docs/results/{d}/regen_gpu.jsonl.gz") for d in ("gpu-burst", "gpu-burst-2")]
+    ap.add_argument("--replies", nargs="+", default=committed, help="replies regenerated already (JSONL or .jsonl.gz)")
     ap.add_argument("--code", type=int, default=0, help="add up to N standard-library code-completion prompts")
     args = ap.parse_args()
     dev = ROOT / ".dev"
