@@ -4,6 +4,7 @@ assistant-only loss mask."""
 from __future__ import annotations
 
 import functools
+import gzip
 import json
 import logging
 from collections import Counter
@@ -68,9 +69,10 @@ def normalize_record(rec, default_id: str, *, require_assistant: bool = True) ->
 
 
 def iter_jsonl(path: str | Path) -> Iterable[tuple[int, object]]:
-    """(line number, parsed object) of every non-blank line; invalid JSON is an error naming file:line."""
+    """(line number, parsed object) of every non-blank line of a JSONL file, gzipped if its name ends in .gz;
+    invalid JSON is an error naming file:line."""
     path = Path(path)
-    with path.open(encoding="utf-8") as f:
+    with gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else path.open(encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue

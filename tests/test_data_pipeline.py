@@ -1,6 +1,8 @@
 """Conversation loading, assistant-only loss masks on the real SmolLM2 tokenizer, and the grain pipeline:
 anchors, per-host sharding, epochs, exact resume, tokenization cache."""
 
+import gzip
+import itertools
 import json
 import pickle
 
@@ -100,6 +102,12 @@ def test_jsonl_loading_counts_drops_and_names_bad_lines(tmp_path, caplog):
     path.write_text(json.dumps(good) + "\n" + json.dumps(good) + "\n{not json\n")
     with pytest.raises(ValueError, match=r"c\.jsonl:3: invalid JSON"):
         load_conversations(path)
+    # A gzipped file reads as the same lines.
+    gz = tmp_path / "c.jsonl.gz"
+    gz.write_bytes(gzip.compress(path.read_bytes()))
+    assert [(n, r) for n, r in itertools.islice(conv.iter_jsonl(gz), 2)] == [(1, good), (2, good)]
+    with pytest.raises(ValueError, match=r"c\.jsonl\.gz:3: invalid JSON"):
+        list(conv.iter_jsonl(gz))
 
 
 def test_sharegpt_records_normalise():

@@ -69,14 +69,6 @@ def stdlib_code_prompts(limit: int) -> list[dict]:
     return rows
 
 
-def read_ids(path: Path) -> list[str]:
-    """The ids of a reply JSONL, gzipped or not."""
-    if path.suffix == ".gz":
-        with gzip.open(path, "rt", encoding="utf-8") as f:
-            return [json.loads(line)["id"] for line in f.read().split("\n") if line.strip()]
-    return [r["id"] for _, r in iter_jsonl(path)]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--skip", type=int, default=216, help="ShareGPT records passed over (216: the held-out ones)")
@@ -99,7 +91,7 @@ def main() -> None:
     tok_dir = converted_tokenizer_dir(gguf)  # job.sh gives the GGUF this mtime again, so the cache key matches there
     shutil.make_archive(str(c / "tokenizers"), "gztar", tok_dir.parent, tok_dir.name)
     convs, _ = load_conversations("sharegpt", skip=args.skip, require_assistant=False)
-    done = {i for r in args.replies for i in read_ids(Path(r))}
+    done = {row["id"] for r in args.replies for _, row in iter_jsonl(r)}
     eligible, skipped = plan([cv for cv in convs if cv["id"] not in done], tok, 256)
     code = stdlib_code_prompts(args.code) if args.code else []
     with gzip.open(c / "prompts.jsonl.gz", "wt", encoding="utf-8") as f:
