@@ -7,12 +7,12 @@ one device call's 64 MiB transfer limit:
            beside the new ones), and the Python wheels the device image lacks
 The tree that travels with each call must be small meanwhile (docs/, tests/ and drafters/ moved aside).
 
-    .venv/bin/python tools/gpu_burst/pack.py [--skip 216] [--replies FILE ...] [--code N]
+    .venv/bin/python tools/gpu_burst/pack.py [--skip 216] [--replies FILE ...] [--code N] [--math N]
 
 The prompts are the eligible ones (first turn of at most 256 tokens under the chat template) of ShareGPT records
 after --skip whose id is in none of the --replies files, in regenerate's own plan order, then with --code up to N
-code-completion prompts made from this Python's standard library (`stdlib_code_prompts`), written as
-{id, messages} JSONL.
+code-completion prompts made from this Python's standard library (`stdlib_code_prompts`) and with --math the first N
+template word problems (`data.word_problems`), each less those with a reply already, written as {id, messages} JSONL.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from pathlib import Path
 
 from data.assets import smollm2_gguf
 from data.conversations import iter_jsonl, load_conversations
+from data.word_problems import word_problems
 from dflash_model.tokenizer import converted_tokenizer_dir, load_tokenizer
 from train.regenerate import plan
 
@@ -73,8 +74,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--skip", type=int, default=216, help="ShareGPT records passed over (216: the held-out ones)")
     committed = [str(ROOT / f"docs/results/{d}/regen_gpu.jsonl.gz") for d in ("gpu-burst", "gpu-burst-2")]
+    committed.append(str(ROOT / "docs/results/decoding/word-problems/replies.jsonl.gz"))
     ap.add_argument("--replies", nargs="+", default=committed, help="replies regenerated already (JSONL or .jsonl.gz)")
     ap.add_argument("--code", type=int, default=0, help="add up to N standard-library code-completion prompts")
+    ap.add_argument("--math", type=int, default=0, help="add the first N template word problems (data.word_problems)")
     args = ap.parse_args()
     dev = ROOT / ".dev"
     a, b, c = dev / "a", dev / "b", dev / "c"
@@ -94,6 +97,8 @@ def main() -> None:
     done = {row["id"] for r in args.replies for _, row in iter_jsonl(r)}
     eligible, skipped = plan([cv for cv in convs if cv["id"] not in done], tok, 256)
     code = stdlib_code_prompts(args.code) if args.code else []
+    code += word_problems(args.math) if args.math else []
+    code = [{"id": row["id"], "messages": row["messages"]} for row in code if row["id"] not in done]
     with gzip.open(c / "prompts.jsonl.gz", "wt", encoding="utf-8") as f:
         for rid, prompt, _ in eligible:
             f.write(json.dumps({"id": rid, "messages": prompt}, ensure_ascii=False) + "\n")
@@ -107,7 +112,7 @@ def main() -> None:
         raise SystemExit(f"{dev / 'whl'}: no wheels; download them first (tools/gpu_burst/README.md)")
     shutil.copytree(dev / "whl", c / "whl")
     sizes = {p.relative_to(dev).as_posix(): p.stat().st_size for p in dev.rglob("*") if p.is_file()}
-    counts = {"prompts": len(eligible), "code_prompts": len(code), "already_done": len(done)}
+    counts = {"prompts": len(eligible), "code_and_math_prompts": len(code), "already_done": len(done)}
     print(json.dumps({**counts, "skipped": dict(skipped), "bytes": sizes}, indent=1))
 
 
