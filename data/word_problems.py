@@ -65,7 +65,7 @@ def fraction_given(r: random.Random) -> Problem:
     name, other = _two_names(r)
     d = r.choice((2, 3, 4, 5))
     total = d * r.randint(4, 20)
-    kept = r.randint(1, total // d - 1) if total // d > 2 else 1
+    kept = r.randint(1, total // d - 1)  # total // d >= 4: some are left
     thing = r.choice(THINGS)
     q = (
         f"{name} has {total} {thing}. {name} gives 1/{d} of them to {other} and then loses {kept} more. "
@@ -124,10 +124,7 @@ def speed_distance(r: random.Random) -> Problem:
 def share_equally(r: random.Random) -> Problem:
     name, cont = r.choice(NAMES), r.choice(CONTAINERS)
     boxes, per, friends = r.randint(2, 9), r.randint(4, 12), r.choice((2, 3, 4, 6))
-    total = boxes * per
-    total -= total % friends
-    if total == 0:
-        total = friends * 3
+    total = boxes * per - boxes * per % friends  # at least 8 - 8 % 6 = 6
     food = r.choice(FOODS)
     q = (
         f"{name} has {total} {food} packed in {cont}. {name} shares them equally among {friends} friends. "
@@ -170,7 +167,7 @@ def garden_rows(r: random.Random) -> Problem:
         f"{name} plants {rows} rows of {plant} with {per} in each row. Rabbits eat {eaten} of them. "
         f"How many {plant} are left?"
     )
-    return q, max(rows * per - eaten, 1)
+    return q, rows * per - eaten  # at least 12 - 9
 
 
 def weekly_pattern(r: random.Random) -> Problem:

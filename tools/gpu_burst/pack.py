@@ -96,13 +96,12 @@ def main() -> None:
     convs, _ = load_conversations("sharegpt", skip=args.skip, require_assistant=False)
     done = {row["id"] for r in args.replies for _, row in iter_jsonl(r)}
     eligible, skipped = plan([cv for cv in convs if cv["id"] not in done], tok, 256)
-    code = stdlib_code_prompts(args.code) if args.code else []
-    code += word_problems(args.math) if args.math else []
-    code = [{"id": row["id"], "messages": row["messages"]} for row in code if row["id"] not in done]
+    made = (stdlib_code_prompts(args.code) if args.code else []) + (word_problems(args.math) if args.math else [])
+    made = [{"id": row["id"], "messages": row["messages"]} for row in made if row["id"] not in done]
     with gzip.open(c / "prompts.jsonl.gz", "wt", encoding="utf-8") as f:
         for rid, prompt, _ in eligible:
             f.write(json.dumps({"id": rid, "messages": prompt}, ensure_ascii=False) + "\n")
-        for row in code:
+        for row in made:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
     with gzip.open(c / "replies_prev.jsonl.gz", "wb") as dst:
         for r in args.replies:
@@ -112,7 +111,7 @@ def main() -> None:
         raise SystemExit(f"{dev / 'whl'}: no wheels; download them first (tools/gpu_burst/README.md)")
     shutil.copytree(dev / "whl", c / "whl")
     sizes = {p.relative_to(dev).as_posix(): p.stat().st_size for p in dev.rglob("*") if p.is_file()}
-    counts = {"prompts": len(eligible), "code_and_math_prompts": len(code), "already_done": len(done)}
+    counts = {"prompts": len(eligible), "code_and_math_prompts": len(made), "already_done": len(done)}
     print(json.dumps({**counts, "skipped": dict(skipped), "bytes": sizes}, indent=1))
 
 
