@@ -224,12 +224,52 @@ def calibrate(rows, replies, ctx_max_n):
     return out
 
 
+def _shown(path) -> str:
+    """A path as a committed result may show it: relative as given, else its file name (no path of this machine)."""
+    return str(path) if not Path(path).is_absolute() else Path(path).name
+
+
+def write_prior(args, rows, replies, weights) -> None:
+    """The lookup tree's simulated tau at each size on every dev set, and their mean (each set weighted equally):
+    what `Engine.calibrate` divides by each size's measured round cost to choose the size at start-up."""
+    per_set = {}
+    for name in DEV:
+        rs = [r for r in rows if r["set"] == name]
+        per_set[name] = {
+            str(n): round(simulate(rs, COSTS, tree_nodes=n, replies=replies, weights=weights)["tau"], 4)
+            for n in args.sizes
+        }
+        print(f"{name}: tau by tree size {per_set[name]}", flush=True)
+    mean = {str(n): round(sum(t[str(n)] for t in per_set.values()) / len(per_set), 4) for n in args.sizes}
+    prior = {
+        "about": "simulated tau (committed tokens per round) of the lookup tree at each size, greedy, on the dev "
+        "prompts' outputs (benchmarks/lookup_sim.py); tau is the mean over the sets",
+        "command": " ".join(
+            ["python benchmarks/lookup_sim.py --replies", _shown(args.replies), "--prior-out", _shown(args.prior_out)]
+            + ["--sizes", *map(str, args.sizes)]
+        ),
+        "tau": mean,
+        "per_set": per_set,
+    }
+    args.prior_out.parent.mkdir(parents=True, exist_ok=True)
+    args.prior_out.write_text(json.dumps(prior, indent=1) + "\n")
+    print(f"wrote {args.prior_out}: mean tau by size {mean}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--outputs", type=Path, default=Path("runs/lookup-sim/dev.jsonl"))
     ap.add_argument("--replies", default="drafters/smollm2-135m-replies/replies.npz")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--out", type=Path, default=None, help="JSON of the calibration and the simulated table")
+    ap.add_argument(
+        "--prior-out",
+        type=Path,
+        default=None,
+        help="also simulate the tree at each of --sizes and write its tau per size, the mean over the dev sets, as "
+        "the start-up size choice's prior (tree_tau.json beside the reply file: infer.loading)",
+    )
+    ap.add_argument("--sizes", type=int, nargs="+", default=[3, 5, 7, 9, 11, 15], help="tree sizes for --prior-out")
     args = ap.parse_args(argv)
     if not args.outputs.is_file():
         generate_outputs(args.outputs, args.max_new_tokens)
@@ -258,6 +298,8 @@ def main(argv=None) -> int:
         cells = [f"{v['speedup']:.2f}x, tau {v['tau']:.2f}" for v in res.values()]
         ratio = res["lookuptree7"]["speedup"] / res["ngram@8"]["speedup"]
         print(f"| {name} ({len(rs)}) | " + " | ".join(cells) + f" | {ratio:.2f} |")
+    if args.prior_out:
+        write_prior(args, rows, replies, weights)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"costs_ms": COSTS, "calibration": calibration, "simulated": table}, indent=1))

@@ -143,7 +143,8 @@ def run_comparison(
     reversed on every other repeat so that a drift in the machine's speed falls on both sides; {draft name:
     report}. Every report compares against the same plain runs, so the drafts' speedups share one baseline.
     overhead: also time every fixed-width engine's forwards alone (`Engine.calibrate`, a few compiles more) for
-    the loop-overhead ratio; adaptive engines are always calibrated (they choose from those costs)."""
+    the loop-overhead ratio; adaptive engines and those choosing their tree size are always calibrated (they choose
+    from those costs)."""
     names = [d.name for d in drafts]
     if len(set(names)) != len(names):
         raise ValueError(f"draft names must be distinct to compare them: {names}")
@@ -170,7 +171,7 @@ def run_comparison(
         inputs = (jnp.asarray(ids_1P), jnp.asarray([len(prompt)], jnp.int32), jax.random.key(0))
         if i == 0:
             for engine in (plain, *specs):
-                if overhead or engine.adaptive:
+                if overhead or engine.needs_costs:
                     engine.calibrate(*inputs)
                 _warm(engine, *inputs)
         times = {id(e): [] for e in (plain, *specs)}
@@ -439,7 +440,8 @@ def parse_args(argv=None):
         "--draft",
         action="append",
         help="none | ngram | replies:FILE (prompt lookup, then a reply file of python -m infer.replies) | "
-        "lookuptree:FILE (or lookuptreeN:FILE: a draft tree of N nodes grown from both lookups) | random | "
+        "lookuptree:FILE (a draft tree grown from both lookups, its size chosen at start-up from measured costs; "
+        "lookuptreeN:FILE: N nodes) | random | "
         "a drafter directory | hybrid:SPEC | adaptive:SPEC | tree:DIR (or treeN:DIR, "
         "a draft tree of N nodes) | fullvocab:DIR (ignore the directory's draft_vocab.json), optionally SPEC@K; "
         "repeat to compare several in one interleaved run (one plain baseline)",

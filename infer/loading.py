@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import re
 import sys
 from pathlib import Path
@@ -20,7 +21,8 @@ from infer.replies import load_index
 
 NGRAM_BLOCK = 8  # default K for prompt lookup: cheap drafts, and verify costs about the same up to here
 TREE_NODES = 16  # default draft-tree size (nodes besides the root) of 'tree:DIR'
-LOOKUP_TREE_NODES = 7  # default size of 'lookuptree:FILE' (a verify of 8)
+LOOKUP_TREE_NODES = 7  # size of 'lookuptree:FILE' where the reply file has no TREE_PRIOR_FILE (a verify of 8)
+TREE_PRIOR_FILE = "tree_tau.json"  # beside a reply file: a lookup tree's tokens per round by size (tree_prior)
 
 
 def at_least(low: int):
@@ -76,10 +78,31 @@ class Draft:
     block_size: int  # the K to use (the drafter's trained K unless --block says otherwise)
     adaptive: bool = False  # verify a width chosen per round (infer.spec.choose_width), not always K
     tree_nodes: int | None = None  # verify a draft tree of this many nodes per round (infer.tree), not a chain
+    # {tree size: expected committed tokens per round}: the engine chooses its tree size among these at start-up
+    # from the costs it measures (infer.spec.Engine.calibrate)
+    tree_prior: dict[int, float] | None = None
 
     def engine_options(self) -> dict:
         """The `infer.spec.Engine` keywords this draft decodes with."""
+        if self.tree_prior is not None:
+            return dict(tree_prior=self.tree_prior)
         return dict(block_size=self.block_size, adaptive=self.adaptive, tree_nodes=self.tree_nodes)
+
+
+def tree_prior(replies_file: str) -> dict[int, float] | None:
+    """{tree size: expected committed tokens per round} of a lookup tree over this reply file: its directory's
+    TREE_PRIOR_FILE (written by `benchmarks/lookup_sim.py --prior-out`), or None where it has none."""
+    path = Path(replies_file).parent / TREE_PRIOR_FILE
+    if not path.is_file():
+        return None
+    try:
+        tau = json.loads(path.read_text())["tau"]
+        prior = {int(n): float(t) for n, t in tau.items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{path}: expected {{'tau': {{tree size: tokens per round}}}} ({e})") from e
+    if not prior or min(prior) < 1 or min(prior.values()) <= 0:
+        raise ValueError(f"{path}: 'tau' needs sizes >= 1 with values > 0, got {tau}")
+    return prior
 
 
 def load_draft_spec(
@@ -98,8 +121,9 @@ def load_draft_spec(
     any but none verifies a width chosen per round. dtype: a directory's compute dtype (default: as saved);
     zero_features: the features.zero ablation (the drafter sees zeros instead of target features). 'tree:DIR' (or
     'treeN:DIR', N nodes; default TREE_NODES) verifies a draft tree built from the drafter's per-position
-    distributions (DDTree) instead of its greedy block. 'lookuptree:FILE' (or 'lookuptreeN:FILE'; default
-    LOOKUP_TREE_NODES) verifies a tree grown from prompt lookup and a reply file (proposers.LookupTreeProposer);
+    distributions (DDTree) instead of its greedy block. 'lookuptreeN:FILE' verifies a tree of N nodes grown from
+    prompt lookup and a reply file (proposers.LookupTreeProposer); 'lookuptree:FILE' one whose size the engine
+    chooses at start-up from the file's TREE_PRIOR_FILE and the costs it measures (LOOKUP_TREE_NODES without one);
     'adaptive:lookuptreeN:FILE' verifies its first w nodes, w chosen per round. A directory's draft_vocab.json (the
     draft vocabulary it was trained on) restricts its proposals to those tokens; 'fullvocab:DIR' ignores it."""
 
@@ -109,13 +133,16 @@ def load_draft_spec(
     lookup_tree = re.match(r"lookuptree(\d*):(.*)", spec)
     if lookup_tree:
         # A tree grown from prompt lookup and a reply file (proposers.LookupTreeProposer), as deep as it has nodes.
-        nodes = int(lookup_tree[1] or LOOKUP_TREE_NODES)
-        if nodes < 1:
-            raise ValueError(f"--draft {spec!r}: a tree needs at least 1 node")
         if block is not None:
             raise ValueError(f"--draft {spec!r}: a lookup tree's width is its nodes + 1; give lookuptreeN, not @K")
         lo, hi = proposers.LOOKUP_TREE_ORDERS
         index = load_index(lookup_tree[2], target_cfg.vocab_size, min_n=lo, max_n=hi)
+        prior = None if lookup_tree[1] else tree_prior(lookup_tree[2])
+        if prior is not None:
+            return Draft("lookuptree", proposers.LookupTreeProposer(), index, max(prior) + 1, tree_prior=prior)
+        nodes = int(lookup_tree[1] or LOOKUP_TREE_NODES)
+        if nodes < 1:
+            raise ValueError(f"--draft {spec!r}: a tree needs at least 1 node")
         return Draft(f"lookuptree{nodes}", proposers.LookupTreeProposer(), index, nodes + 1, tree_nodes=nodes)
     tree = re.match(r"tree(\d*):(.*)", spec)
     if tree:
@@ -137,6 +164,9 @@ def load_draft_spec(
         inner = load_inner(spec.split(":", 1)[1])
         if inner.block_size < 2:
             raise ValueError(f"--draft {spec!r}: plain decoding has no width to choose")
+        if inner.tree_prior is not None:  # a width per round instead of a size per run: the largest size's tree
+            nodes = max(inner.tree_prior)
+            inner = dataclasses.replace(inner, name=f"lookuptree{nodes}", tree_nodes=nodes, tree_prior=None)
         return dataclasses.replace(inner, name=f"adaptive-{inner.name}", adaptive=True)
     if spec == "none":
         if block not in (None, 1):

@@ -462,7 +462,9 @@ class Engine:
 
     adaptive: verify only the first w tokens of each round's block, w in `widths` (default `default_widths(K)`)
     chosen per round by `choose_width` from the costs `calibrate` measures at the decode's own shapes (`generate`
-    calibrates on its first call; call it yourself before `prefill` to time decode alone).
+    calibrates on its first call; call it yourself before `prefill` to time decode alone). tree_prior {nodes:
+    expected committed tokens per round}: a grown tree's size is chosen by `calibrate` among these, from the same
+    measured costs.
     """
 
     def __init__(
@@ -479,8 +481,24 @@ class Engine:
         widths: tuple[int, ...] | None = None,
         tree_nodes: int | None = None,
         tree_top: int = 4,
+        tree_prior: dict[int, float] | None = None,
     ):
         proposer = proposer or NoProposer()
+        if tree_prior is not None:
+            # The tree size is chosen by `calibrate` among the prior's; until then the engine is the largest's.
+            tree_prior = {int(n): float(t) for n, t in tree_prior.items()}
+            if not hasattr(proposer, "propose_tree"):
+                raise ValueError(
+                    "a tree size chosen at start-up (tree_prior) needs a proposer that grows its own tree (a lookup "
+                    f"tree), not {proposer.name}"
+                )
+            if tree_nodes is not None or adaptive:
+                raise ValueError("tree_prior chooses the tree size: give it without tree_nodes and adaptive")
+            if not tree_prior or min(tree_prior) < 1 or min(tree_prior.values()) <= 0:
+                raise ValueError(f"tree_prior needs sizes >= 1 with expected tokens per round > 0, got {tree_prior}")
+            tree_nodes = max(tree_prior)
+            block_size = tree_nodes + 1  # a grown tree's paths are at most block_size - 1 deep
+        self.tree_prior = tree_prior
         if block_size < 1:
             raise ValueError(f"block size must be >= 1, got {block_size}")
         if isinstance(proposer, NoProposer) and block_size != 1:
@@ -544,9 +562,16 @@ class Engine:
     def adaptive(self) -> bool:
         return self.static["widths"] is not None
 
+    @property
+    def needs_costs(self) -> bool:
+        """Whether this engine decodes by measured costs (an adaptive width, a tree size chosen at start-up)."""
+        return self.adaptive or self.tree_prior is not None
+
     def prefill(self, ids_BP, lengths_B, key) -> DecodeState:
-        if self.adaptive and self.costs is None:
-            raise RuntimeError("an adaptive engine chooses widths from measured costs: call calibrate() first")
+        if self.needs_costs and self.costs is None:
+            raise RuntimeError(
+                "an adaptive engine (or one choosing its tree size) decodes by measured costs: call calibrate() first"
+            )
         return self._prefill(ids_BP, lengths_B, key, self.costs)
 
     def _prefill(self, ids_BP, lengths_B, key, costs) -> DecodeState:
@@ -567,7 +592,28 @@ class Engine:
     def calibrate(self, ids_BP, lengths_B, key, reps: int = 10) -> dict:
         """Time, at these inputs' decode shapes, a verify forward at each width and the drafter's forward, each
         alone (`reps` repetitions in one call, see `_loop_ms`): {"widths", "verify_ms": [per width], "draft_ms"}.
-        Attention runs over the whole cache capacity, so the shapes, not the prompt's length, set the cost."""
+        Attention runs over the whole cache capacity, so the shapes, not the prompt's length, set the cost.
+
+        With a tree_prior, first choose the tree size: the one whose expected committed tokens per round (the prior)
+        over its measured round cost (verify over its nodes + growing the tree) is the highest on this machine; the
+        costs then carry the choice and every size's numbers ("tree_choice")."""
+        if self.tree_prior is None:
+            self.costs = self._measure(ids_BP, lengths_B, key, reps)
+            return self.costs
+        top = self.static["tree"][1]
+        measured, table = {}, {}
+        for n, tau in sorted(self.tree_prior.items()):
+            self.static.update(k=n + 1, tree=(n, top))
+            measured[n] = c = self._measure(ids_BP, lengths_B, key, reps)
+            # The rest of a round (the walk, commit, cache crop) costs about the same at every size: left out.
+            round_ms = max(c["verify_ms"][0] + c["draft_ms"], 1e-3)  # 0: drowned in noise (`_loop_ms`)
+            table[n] = {"tau": tau, "round_ms": round(round_ms, 3), "tokens_per_s": round(1e3 * tau / round_ms, 2)}
+        best = max(table, key=lambda n: table[n]["tokens_per_s"])
+        self.static.update(k=best + 1, tree=(best, top))
+        self.costs = {**measured[best], "tree_choice": {"nodes": best, "by_size": table}}
+        return self.costs
+
+    def _measure(self, ids_BP, lengths_B, key, reps: int) -> dict:
         st = self._prefill(ids_BP, lengths_B, key, None)  # the probes read shapes and caches, not costs
         k = self.block_size
         verify_ms = []
@@ -592,13 +638,12 @@ class Engine:
             nodes = self.static["tree"][0] if self.static["tree"] else None
             draft_ms = _loop_ms(lambda r: _probe_draft(self.target, model, params, st, r, k=k, nodes=nodes), reps)
         # A wider verify never costs less; a measured dip is noise, and would make the choice chase it.
-        self.costs = {
+        return {
             "widths": list(self.widths),
             "verify_ms": np.maximum.accumulate(verify_ms).tolist(),
             "verify_ms_measured": verify_ms,
             "draft_ms": draft_ms,
         }
-        return self.costs
 
     def decode(self, state: DecodeState) -> DecodeState:
         """The whole decode loop on device (the state's buffers are donated: do not reuse `state`)."""
@@ -645,6 +690,6 @@ class Engine:
 
     def generate(self, prompts: list[list[int]], seed: int = 0) -> list[Generation]:
         inputs = self.inputs(prompts, seed)
-        if self.adaptive and self.costs is None:
+        if self.needs_costs and self.costs is None:
             self.calibrate(*inputs)
         return self.results(self.decode(self.prefill(*inputs)))

@@ -641,3 +641,36 @@ def test_lookup_tree_decoding_equals_plain_greedy(family, adaptive):
     assert sum(a > 1 for g in gens for a in g.accept_lengths) >= 4
     if family == "qwen3" and not adaptive:  # the tiny Llama repeats one or two tokens: its context lookup is right
         assert off_chain >= 1
+
+
+def test_lookup_tree_size_is_chosen_from_the_prior_over_measured_costs():
+    """With a tree_prior the engine times each size's round (its verify + growing its tree) in `calibrate` and
+    keeps the size with the most expected tokens per ms: a prior a thousand times higher at one size wins at any
+    cost this machine can measure, either way round. The chosen engine decodes exactly plain greedy, compiling its
+    size's tree verify once; before `calibrate` it refuses to decode, and a prior is refused where it cannot apply."""
+    from infer.proposers import LookupTreeProposer
+
+    prompts = _prompts(seed=4)
+    ref = _plain("qwen3", prompts)
+    index = _reply_index(list(zip(prompts, ref)))
+    target = _target("qwen3")
+    for prior, want in (({3: 1000.0, 6: 1.0}, 3), ({3: 1.0, 6: 1000.0}, 6)):
+        engine = Engine(target, LookupTreeProposer(), index, max_new_tokens=MAX_NEW, tree_prior=prior)
+        with pytest.raises(RuntimeError, match="call calibrate"):
+            engine.prefill(*engine.inputs(prompts))
+        costs = engine.calibrate(*engine.inputs(prompts))
+        choice = costs["tree_choice"]
+        assert choice["nodes"] == want and sorted(choice["by_size"]) == [3, 6]
+        assert all(v["round_ms"] > 0 and v["tau"] == prior[n] for n, v in choice["by_size"].items())
+        assert (engine.block_size, engine.widths, costs["widths"]) == (want + 1, (want + 1,), [want + 1])
+        before = TRACES[f"tree@{want}"]
+        gens = engine.generate(prompts)
+        assert [g.tokens for g in gens] == ref
+        assert TRACES[f"tree@{want}"] - before == 1
+        assert all(w == want + 1 for g in gens for w in g.verify_widths)
+    with pytest.raises(ValueError, match="grows its own tree"):
+        Engine(target, NGramProposer(), block_size=4, max_new_tokens=4, tree_prior={3: 2.0})
+    with pytest.raises(ValueError, match="without tree_nodes and adaptive"):
+        Engine(target, LookupTreeProposer(), index, max_new_tokens=4, tree_nodes=3, tree_prior={3: 2.0})
+    with pytest.raises(ValueError, match="expected tokens per round > 0"):
+        Engine(target, LookupTreeProposer(), index, max_new_tokens=4, tree_prior={3: 0.0})

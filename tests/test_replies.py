@@ -200,6 +200,20 @@ def test_draft_spec_loads_a_reply_file(tmp_path):
     )
     with pytest.raises(ValueError, match="lookuptreeN, not @K"):
         load_draft_spec(f"lookuptree:{tmp_path / 'r.npz'}", cfg, block=16)
+    # With a tree_tau.json beside the file, lookuptree:FILE leaves the size to the engine (the prior's sizes);
+    # lookuptreeN:FILE keeps N, and adaptive: verifies a width per round of the largest size's tree.
+    (tmp_path / "tree_tau.json").write_text(json.dumps({"tau": {"3": 2.0, "9": 2.5}}))
+    auto = load_draft_spec(f"lookuptree:{tmp_path / 'r.npz'}", cfg)
+    assert (auto.name, auto.block_size) == ("lookuptree", 10)
+    assert auto.engine_options() == dict(tree_prior={3: 2.0, 9: 2.5})
+    assert load_draft_spec(f"lookuptree5:{tmp_path / 'r.npz'}", cfg).engine_options()["tree_nodes"] == 5
+    adaptive_tree = load_draft_spec(f"adaptive:lookuptree:{tmp_path / 'r.npz'}", cfg)
+    assert adaptive_tree.name == "adaptive-lookuptree9"
+    assert adaptive_tree.engine_options() == dict(block_size=10, adaptive=True, tree_nodes=9)
+    for bad in ({"tau": {"0": 2.0}}, {"tau": {"3": -1}}, {"taus": {}}, {"tau": ["3"]}):
+        (tmp_path / "tree_tau.json").write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match="tree_tau.json"):
+            load_draft_spec(f"lookuptree:{tmp_path / 'r.npz'}", cfg)
 
 
 def test_reply_lookup_takes_context_matches_then_replies_then_short_matches():
