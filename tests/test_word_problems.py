@@ -66,7 +66,8 @@ def test_answer_follows_from_the_question(name):
 def test_no_gsm8k_test_question():
     """The problems are training data: none may be an evaluation question (first 60 characters compared)."""
     heads = {" ".join(r["question"].split())[:60] for r in assets.gsm8k()}
-    made = {" ".join(r["messages"][0]["content"].split())[:60] for r in word_problems(3000)}
+    # The first 8,000: every one regenerated and trained on so far (docs/results/gpu-burst-3/).
+    made = {" ".join(r["messages"][0]["content"].split())[:60] for r in word_problems(8000)}
     assert len(heads) > 1000
     assert not heads & made
 
