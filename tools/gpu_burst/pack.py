@@ -73,7 +73,8 @@ def stdlib_code_prompts(limit: int) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--skip", type=int, default=216, help="ShareGPT records passed over (216: the held-out ones)")
-    committed = [str(ROOT / f"docs/results/{d}/regen_gpu.jsonl.gz") for d in ("gpu-burst", "gpu-burst-2")]
+    leases = ("gpu-burst", "gpu-burst-2", "gpu-burst-3")
+    committed = [str(ROOT / f"docs/results/{d}/regen_gpu.jsonl.gz") for d in leases]
     committed.append(str(ROOT / "docs/results/decoding/word-problems/replies.jsonl.gz"))
     ap.add_argument("--replies", nargs="+", default=committed, help="replies regenerated already (JSONL or .jsonl.gz)")
     ap.add_argument("--code", type=int, default=0, help="add up to N standard-library code-completion prompts")
