@@ -1,5 +1,6 @@
 """T > 0 is lossless: the first three generated tokens follow the target's exact distribution (chi-square over
-4000 samples), and the same test rejects a lossy acceptance rule (accept every draft)."""
+4000 samples; 2000 for the adaptive, tree and adaptive grown-tree rounds), and the same test rejects a lossy
+acceptance rule (accept every draft)."""
 
 import dataclasses
 
@@ -13,6 +14,7 @@ from scipy import stats
 import infer.spec as spec
 from dflash_model.target import build_target, forward, randomize
 from infer.spec import Engine
+from infer.tree import grow_tree
 
 VOCAB, TEMP, K = 32, 1.0, 3
 PROMPT = [3, 17, 8, 25, 4, 11]
@@ -56,6 +58,25 @@ class TreeOracle(GreedyOracle):
         return tokens.astype(jnp.int32), logp
 
 
+@dataclasses.dataclass(frozen=True)
+class GrownTreeOracle(GreedyOracle):
+    """A tree grown node by node (`infer.tree.grow_tree`, as the lookup tree grows its own): below any node, the
+    greedy continuation's token at the next depth and two others, with probabilities that make the tree's best
+    paths mix the greedy chain and alternatives; the nodes' path probabilities steer an adaptive tree's width."""
+
+    def propose_tree(self, params, target, state, history, n, k, nodes):
+        chain_BJ = self.propose(params, target, state, history, n, k)
+
+        def row(chain_J):
+            def children(path_J, depth):
+                tok = (chain_J[jnp.clip(depth, 0, k - 2)] + 7 * jnp.arange(3)) % VOCAB
+                return tok.astype(jnp.int32), jnp.asarray([0.6, 0.25, 0.15], jnp.float32)
+
+            return grow_tree(children, nodes, 3, k - 1)
+
+        return jax.vmap(row)(chain_BJ)
+
+
 @pytest.fixture(scope="module")
 def target():
     # std 0.4 makes the 32-way next-token distributions peaked enough that greedy drafts are often accepted.
@@ -78,21 +99,36 @@ def exact_marginals(target):
     return [p1, p1 @ p2, np.einsum("a,ab,abc->c", p1, p2, p3)]
 
 
-def sample_tokens(target, seeds=SEEDS, adaptive=False, tree_nodes=None):
-    proposer = TreeOracle() if tree_nodes else GreedyOracle()
+def sample_tokens(target, seeds=SEEDS, adaptive=False, tree_nodes=None, proposer=None):
+    proposer = proposer or (TreeOracle() if tree_nodes else GreedyOracle())
+    widths = (1, 3, tree_nodes + 1) if adaptive and tree_nodes else None
+    grown = hasattr(proposer, "propose_tree")  # a grown tree's paths go up to its block size - 1 deep
     engine = Engine(
-        target, proposer, block_size=K, max_new_tokens=3, temperature=TEMP, adaptive=adaptive, tree_nodes=tree_nodes
+        target,
+        proposer,
+        block_size=tree_nodes + 1 if grown else K,
+        max_new_tokens=3,
+        temperature=TEMP,
+        adaptive=adaptive,
+        widths=widths,
+        tree_nodes=tree_nodes,
     )
-    if adaptive:
+    if widths:
+        # The whole tree dear enough that its first 3 nodes (the best path's two and the root) are often worth more.
+        engine.costs = {"widths": list(widths), "verify_ms": [1.0, 1.3, 2.0], "draft_ms": 0.0}
+    elif adaptive:
         # Fixed costs rather than timings: width 3 cheap enough to be chosen while drafts are accepted, so
         # both widths appear (decided by the measured acceptance rates, which move with the samples).
         engine.costs = {"widths": [1, 2, 3], "verify_ms": [1.0, 1.3, 1.6], "draft_ms": 0.0}
-    toks, accepted, chains = [], [], []
+    toks, accepted, chains, verified = [], [], [], set()
     for seed in seeds:
         for g in engine.generate([PROMPT] * ROWS, seed=seed):
             toks.append(g.tokens)
             accepted += [a - 1 for a in g.accept_lengths]
             chains.append((g.accept_lengths[0] - 1, g.proposals[0][0]))  # round 1: accepted drafts, draft 1
+            verified.update(g.verify_widths)
+    if widths:
+        return np.asarray(toks), np.asarray(accepted), np.asarray(chains), verified
     if tree_nodes:
         return np.asarray(toks), np.asarray(accepted), np.asarray(chains)
     return np.asarray(toks), np.asarray(accepted)
@@ -151,5 +187,19 @@ def test_tree_sampling_follows_the_target(target):
     assert np.mean(accepted >= 1) > 0.3
     off_chain = (chains[:, 0] >= 1) & (toks[:, 1] != chains[:, 1])  # x2 accepted, not the chain's token
     assert off_chain.sum() > 20, off_chain.sum()
+    pvalues = [chi2_pvalue(toks[:, i], marginals[i]) for i in range(3)]
+    assert min(pvalues) > 1e-3, pvalues
+
+
+def test_adaptive_grown_tree_sampling_follows_the_target(target):
+    """T > 0 with an adaptive grown tree (the lookup tree's kind of round: 6 nodes grown best first, each round
+    verifying its first 1, 3 or 7 nodes in pop order, chosen from their path probabilities and the costs): the
+    nodes past the chosen width are dropped before the walk, and the output is still the target's distribution."""
+    marginals = exact_marginals(target)
+    toks, accepted, chains, verified = sample_tokens(
+        target, seeds=SEEDS[:2], adaptive=True, tree_nodes=6, proposer=GrownTreeOracle()
+    )
+    assert np.mean(accepted >= 1) > 0.3
+    assert verified <= {1, 3, 7} and min(verified) < 7, verified  # a width short of the whole tree was verified
     pvalues = [chi2_pvalue(toks[:, i], marginals[i]) for i in range(3)]
     assert min(pvalues) > 1e-3, pvalues
