@@ -201,6 +201,8 @@ def run_comparison(
     out = {}
     for d, spec in zip(drafts, specs):
         out[d.name] = summarize(records[d.name], d, max_new_tokens)
+        if spec.costs and "tree_choice" in spec.costs:  # a tree size chosen at start-up: the one decoded with
+            out[d.name].update(tree_nodes=spec.costs["tree_choice"]["nodes"], block_size=spec.block_size)
         out[d.name]["costs_ms"] = {name: e.costs for name, e in (("plain", plain), (d.name, spec)) if e.costs}
     return out
 
@@ -440,8 +442,8 @@ def parse_args(argv=None):
         "--draft",
         action="append",
         help="none | ngram | replies:FILE (prompt lookup, then a reply file of python -m infer.replies) | "
-        "lookuptree:FILE (a draft tree grown from both lookups, its size chosen at start-up from measured costs; "
-        "lookuptreeN:FILE: N nodes) | random | "
+        "lookuptree:FILE (a draft tree grown from both lookups; lookuptreeN:FILE: N nodes; lookuptreeauto:FILE: "
+        "its size chosen at start-up from measured costs) | random | "
         "a drafter directory | hybrid:SPEC | adaptive:SPEC | tree:DIR (or treeN:DIR, "
         "a draft tree of N nodes) | fullvocab:DIR (ignore the directory's draft_vocab.json), optionally SPEC@K; "
         "repeat to compare several in one interleaved run (one plain baseline)",

@@ -29,8 +29,8 @@ def parse_args(argv=None):
         "--draft",
         default="none",
         help="drafter directory, none, ngram, replies:FILE (prompt lookup, then the target's past replies), "
-        "lookuptree:FILE (a draft tree grown from both lookups, its size chosen at start-up; lookuptreeN:FILE: "
-        "N nodes), random, "
+        "lookuptree:FILE (a draft tree grown from both lookups; lookuptreeN:FILE: N nodes; lookuptreeauto:FILE: "
+        "its size chosen at start-up), random, "
         "hybrid:SPEC (n-gram where it matches, else the drafter) or "
         "adaptive:SPEC (verify a width chosen per round from measured costs), tree:DIR (a draft tree) or "
         "fullvocab:DIR (ignore the directory's draft_vocab.json)",

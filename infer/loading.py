@@ -21,8 +21,8 @@ from infer.replies import load_index
 
 NGRAM_BLOCK = 8  # default K for prompt lookup: cheap drafts, and verify costs about the same up to here
 TREE_NODES = 16  # default draft-tree size (nodes besides the root) of 'tree:DIR'
-LOOKUP_TREE_NODES = 7  # size of 'lookuptree:FILE' where the reply file has no TREE_PRIOR_FILE (a verify of 8)
-TREE_PRIOR_FILE = "tree_tau.json"  # beside a reply file: a lookup tree's tokens per round by size (tree_prior)
+LOOKUP_TREE_NODES = 7  # default size of 'lookuptree:FILE' (a verify of 8)
+TREE_PRIOR_FILE = "tree_tau.json"  # beside a reply file: a lookup tree's tokens per round by size ('lookuptreeauto:')
 
 
 def at_least(low: int):
@@ -122,24 +122,30 @@ def load_draft_spec(
     zero_features: the features.zero ablation (the drafter sees zeros instead of target features). 'tree:DIR' (or
     'treeN:DIR', N nodes; default TREE_NODES) verifies a draft tree built from the drafter's per-position
     distributions (DDTree) instead of its greedy block. 'lookuptreeN:FILE' verifies a tree of N nodes grown from
-    prompt lookup and a reply file (proposers.LookupTreeProposer); 'lookuptree:FILE' one whose size the engine
-    chooses at start-up from the file's TREE_PRIOR_FILE and the costs it measures (LOOKUP_TREE_NODES without one);
+    prompt lookup and a reply file (proposers.LookupTreeProposer), 'lookuptree:FILE' of LOOKUP_TREE_NODES;
+    'lookuptreeauto:FILE' one whose size the engine chooses at start-up from the file's TREE_PRIOR_FILE (tokens per
+    round by size) and the round costs it measures;
     'adaptive:lookuptreeN:FILE' verifies its first w nodes, w chosen per round. A directory's draft_vocab.json (the
     draft vocabulary it was trained on) restricts its proposals to those tokens; 'fullvocab:DIR' ignores it."""
 
     def load_inner(inner_spec: str) -> Draft:  # the spec a prefix wraps, with this call's options
         return load_draft_spec(inner_spec, target_cfg, block, seed, dtype=dtype, zero_features=zero_features)
 
-    lookup_tree = re.match(r"lookuptree(\d*):(.*)", spec)
+    lookup_tree = re.match(r"lookuptree(\d*|auto):(.*)", spec)
     if lookup_tree:
         # A tree grown from prompt lookup and a reply file (proposers.LookupTreeProposer), as deep as it has nodes.
         if block is not None:
             raise ValueError(f"--draft {spec!r}: a lookup tree's width is its nodes + 1; give lookuptreeN, not @K")
         lo, hi = proposers.LOOKUP_TREE_ORDERS
         index = load_index(lookup_tree[2], target_cfg.vocab_size, min_n=lo, max_n=hi)
-        prior = None if lookup_tree[1] else tree_prior(lookup_tree[2])
-        if prior is not None:
-            return Draft("lookuptree", proposers.LookupTreeProposer(), index, max(prior) + 1, tree_prior=prior)
+        if lookup_tree[1] == "auto":
+            prior = tree_prior(lookup_tree[2])
+            if prior is None:
+                raise ValueError(
+                    f"--draft {spec!r}: no {Path(lookup_tree[2]).parent / TREE_PRIOR_FILE} to choose the size from "
+                    "(benchmarks/lookup_sim.py --prior-out writes it); give lookuptreeN:FILE"
+                )
+            return Draft("lookuptree-auto", proposers.LookupTreeProposer(), index, max(prior) + 1, tree_prior=prior)
         nodes = int(lookup_tree[1] or LOOKUP_TREE_NODES)
         if nodes < 1:
             raise ValueError(f"--draft {spec!r}: a tree needs at least 1 node")
@@ -164,9 +170,8 @@ def load_draft_spec(
         inner = load_inner(spec.split(":", 1)[1])
         if inner.block_size < 2:
             raise ValueError(f"--draft {spec!r}: plain decoding has no width to choose")
-        if inner.tree_prior is not None:  # a width per round instead of a size per run: the largest size's tree
-            nodes = max(inner.tree_prior)
-            inner = dataclasses.replace(inner, name=f"lookuptree{nodes}", tree_nodes=nodes, tree_prior=None)
+        if inner.tree_prior is not None:
+            raise ValueError(f"--draft {spec!r}: a tree size per run or a width per round, not both: lookuptreeN")
         return dataclasses.replace(inner, name=f"adaptive-{inner.name}", adaptive=True)
     if spec == "none":
         if block not in (None, 1):

@@ -198,10 +198,10 @@ def test_shipped_drafter_loads_with_its_draft_vocabulary_unless_fullvocab():
     both = load_draft_spec(f"adaptive:replies:{replies}+{shipped}", cfg)
     assert both.name == "adaptive-replies-hybrid" and both.adaptive and both.block_size == 16
     assert both.proposer.dflash.vocab == tuple(vocab) and both.params[1].keys_A.shape[0] > 0
-    # lookuptree:FILE over the shipped reply file: the size is left to the engine, from the committed prior
+    # lookuptreeauto:FILE over the shipped reply file: the size is left to the engine, from the committed prior
     # (the simulated tau rises with the tree's size).
-    tree = load_draft_spec(f"lookuptree:{replies}", cfg)
-    assert tree.name == "lookuptree" and sorted(tree.tree_prior) == [3, 5, 7, 9, 11, 15]
+    tree = load_draft_spec(f"lookuptreeauto:{replies}", cfg)
+    assert tree.name == "lookuptree-auto" and sorted(tree.tree_prior) == [3, 5, 7, 9, 11, 15]
     taus = [tree.tree_prior[n] for n in sorted(tree.tree_prior)]
     assert all(a < b for a, b in zip(taus, taus[1:])) and tree.block_size == 16
     with pytest.raises(ValueError, match=r"replies:FILE\+DIR needs a DFlash drafter"):

@@ -200,20 +200,21 @@ def test_draft_spec_loads_a_reply_file(tmp_path):
     )
     with pytest.raises(ValueError, match="lookuptreeN, not @K"):
         load_draft_spec(f"lookuptree:{tmp_path / 'r.npz'}", cfg, block=16)
-    # With a tree_tau.json beside the file, lookuptree:FILE leaves the size to the engine (the prior's sizes);
-    # lookuptreeN:FILE keeps N, and adaptive: verifies a width per round of the largest size's tree.
+    # lookuptreeauto:FILE leaves the size to the engine, among those of the tree_tau.json beside the file (refused
+    # without one); lookuptree:FILE keeps the default size, and adaptive: takes a fixed size only.
+    with pytest.raises(ValueError, match="tree_tau.json to choose the size from"):
+        load_draft_spec(f"lookuptreeauto:{tmp_path / 'r.npz'}", cfg)
     (tmp_path / "tree_tau.json").write_text(json.dumps({"tau": {"3": 2.0, "9": 2.5}}))
-    auto = load_draft_spec(f"lookuptree:{tmp_path / 'r.npz'}", cfg)
-    assert (auto.name, auto.block_size) == ("lookuptree", 10)
+    auto = load_draft_spec(f"lookuptreeauto:{tmp_path / 'r.npz'}", cfg)
+    assert (auto.name, auto.block_size) == ("lookuptree-auto", 10)
     assert auto.engine_options() == dict(tree_prior={3: 2.0, 9: 2.5})
-    assert load_draft_spec(f"lookuptree5:{tmp_path / 'r.npz'}", cfg).engine_options()["tree_nodes"] == 5
-    adaptive_tree = load_draft_spec(f"adaptive:lookuptree:{tmp_path / 'r.npz'}", cfg)
-    assert adaptive_tree.name == "adaptive-lookuptree9"
-    assert adaptive_tree.engine_options() == dict(block_size=10, adaptive=True, tree_nodes=9)
+    assert load_draft_spec(f"lookuptree:{tmp_path / 'r.npz'}", cfg).engine_options()["tree_nodes"] == 7
+    with pytest.raises(ValueError, match="not both"):
+        load_draft_spec(f"adaptive:lookuptreeauto:{tmp_path / 'r.npz'}", cfg)
     for bad in ({"tau": {"0": 2.0}}, {"tau": {"3": -1}}, {"taus": {}}, {"tau": ["3"]}):
         (tmp_path / "tree_tau.json").write_text(json.dumps(bad))
         with pytest.raises(ValueError, match="tree_tau.json"):
-            load_draft_spec(f"lookuptree:{tmp_path / 'r.npz'}", cfg)
+            load_draft_spec(f"lookuptreeauto:{tmp_path / 'r.npz'}", cfg)
 
 
 def test_reply_lookup_takes_context_matches_then_replies_then_short_matches():
