@@ -200,9 +200,9 @@ def run_comparison(
             )
     out = {}
     for d, spec in zip(drafts, specs):
+        if spec.costs and "tree_choice" in spec.costs:  # a tree size chosen at start-up: report the one decoded
+            d = dataclasses.replace(d, block_size=spec.block_size, tree_nodes=spec.costs["tree_choice"]["nodes"])
         out[d.name] = summarize(records[d.name], d, max_new_tokens)
-        if spec.costs and "tree_choice" in spec.costs:  # a tree size chosen at start-up: the one decoded with
-            out[d.name].update(tree_nodes=spec.costs["tree_choice"]["nodes"], block_size=spec.block_size)
         out[d.name]["costs_ms"] = {name: e.costs for name, e in (("plain", plain), (d.name, spec)) if e.costs}
     return out
 

@@ -668,6 +668,14 @@ def test_lookup_tree_size_is_chosen_from_the_prior_over_measured_costs():
         assert [g.tokens for g in gens] == ref
         assert TRACES[f"tree@{want}"] - before == 1
         assert all(w == want + 1 for g in gens for w in g.verify_widths)
+    # In an eval: the report names the size decoded with, its acceptance table as deep as that tree.
+    from infer.eval import run_comparison
+    from infer.loading import Draft
+
+    draft = Draft("lookuptree-auto", LookupTreeProposer(), index, 7, tree_prior={3: 1000.0, 6: 1.0})
+    rep = run_comparison(target, [draft], prompts, max_new_tokens=MAX_NEW, progress=False)["lookuptree-auto"]
+    assert (rep["tree_nodes"], rep["block_size"], rep["lossless_mismatches"]) == (3, 4, 0)
+    assert len(rep["acceptance_unconditional"]) == 3 and rep["costs_ms"]["lookuptree-auto"]["tree_choice"]["nodes"] == 3
     with pytest.raises(ValueError, match="grows its own tree"):
         Engine(target, NGramProposer(), block_size=4, max_new_tokens=4, tree_prior={3: 2.0})
     with pytest.raises(ValueError, match="without tree_nodes and adaptive"):
