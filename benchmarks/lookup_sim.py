@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+ROOT = Path(__file__).resolve().parents[1]
 DEV = {"gsm8k": (200, 264), "humaneval": (100, 164), "mtbench": (40, 80)}
 # Verify cost (ms) by width on the 2-core AVX-512 EPYC (docs/results/decoding/cache-write/, fixed-width rounds).
 COSTS = {1: 16.9, 2: 20.5, 4: 22.2, 8: 25.4, 16: 33.2}
@@ -225,8 +226,10 @@ def calibrate(rows, replies, ctx_max_n):
 
 
 def _shown(path) -> str:
-    """A path as a committed result may show it: relative as given, else its file name (no path of this machine)."""
-    return str(path) if not Path(path).is_absolute() else Path(path).name
+    """A path as a committed result may show it: relative to the repository, else its file name (no path of this
+    machine)."""
+    resolved = Path(path).resolve()
+    return str(resolved.relative_to(ROOT)) if resolved.is_relative_to(ROOT) else resolved.name
 
 
 def write_prior(args, rows, replies, weights) -> None:
@@ -245,7 +248,8 @@ def write_prior(args, rows, replies, weights) -> None:
         "about": "simulated tau (committed tokens per round) of the lookup tree at each size, greedy, on the dev "
         "prompts' outputs (benchmarks/lookup_sim.py); tau is the mean over the sets",
         "command": " ".join(
-            ["python benchmarks/lookup_sim.py --replies", _shown(args.replies), "--prior-out", _shown(args.prior_out)]
+            ["python benchmarks/lookup_sim.py --outputs", _shown(args.outputs), "--replies", _shown(args.replies)]
+            + ["--prior-out", _shown(args.prior_out)]
             + ["--sizes", *map(str, args.sizes)]
         ),
         "tau": mean,

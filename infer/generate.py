@@ -92,7 +92,8 @@ def run(args) -> dict:
         "verify_widths": gen.verify_widths,
         "prompt_ids": ids,
         "draft": draft.name,
-        "block_size": draft.block_size,
+        "block_size": engine.block_size,  # a tree size chosen at start-up: the chosen one's
+        **({"tree_choice": engine.costs["tree_choice"]} if engine.costs and "tree_choice" in engine.costs else {}),
         "temperature": args.temperature,
         "mean_accept_length": (sum(gen.accept_lengths) / len(gen.accept_lengths)) if gen.accept_lengths else None,
     }

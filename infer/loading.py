@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -100,8 +101,8 @@ def tree_prior(replies_file: str) -> dict[int, float] | None:
         prior = {int(n): float(t) for n, t in tau.items()}
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"{path}: expected {{'tau': {{tree size: tokens per round}}}} ({e})") from e
-    if not prior or min(prior) < 1 or min(prior.values()) <= 0:
-        raise ValueError(f"{path}: 'tau' needs sizes >= 1 with values > 0, got {tau}")
+    if not prior or min(prior) < 1 or not all(0 < t < math.inf for t in prior.values()):
+        raise ValueError(f"{path}: 'tau' needs sizes >= 1 with finite values > 0, got {tau}")
     return prior
 
 
@@ -136,15 +137,15 @@ def load_draft_spec(
         # A tree grown from prompt lookup and a reply file (proposers.LookupTreeProposer), as deep as it has nodes.
         if block is not None:
             raise ValueError(f"--draft {spec!r}: a lookup tree's width is its nodes + 1; give lookuptreeN, not @K")
+        prior = tree_prior(lookup_tree[2]) if lookup_tree[1] == "auto" else None
+        if lookup_tree[1] == "auto" and prior is None:
+            raise ValueError(
+                f"--draft {spec!r}: no {Path(lookup_tree[2]).parent / TREE_PRIOR_FILE} to choose the size from "
+                "(benchmarks/lookup_sim.py --prior-out writes it); give lookuptreeN:FILE"
+            )
         lo, hi = proposers.LOOKUP_TREE_ORDERS
         index = load_index(lookup_tree[2], target_cfg.vocab_size, min_n=lo, max_n=hi)
-        if lookup_tree[1] == "auto":
-            prior = tree_prior(lookup_tree[2])
-            if prior is None:
-                raise ValueError(
-                    f"--draft {spec!r}: no {Path(lookup_tree[2]).parent / TREE_PRIOR_FILE} to choose the size from "
-                    "(benchmarks/lookup_sim.py --prior-out writes it); give lookuptreeN:FILE"
-                )
+        if prior is not None:
             return Draft("lookuptree-auto", proposers.LookupTreeProposer(), index, max(prior) + 1, tree_prior=prior)
         nodes = int(lookup_tree[1] or LOOKUP_TREE_NODES)
         if nodes < 1:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import math
 import time
 import weakref
 from typing import Any
@@ -494,7 +495,7 @@ class Engine:
                 )
             if tree_nodes is not None or adaptive:
                 raise ValueError("tree_prior chooses the tree size: give it without tree_nodes and adaptive")
-            if not tree_prior or min(tree_prior) < 1 or min(tree_prior.values()) <= 0:
+            if not tree_prior or min(tree_prior) < 1 or not all(0 < t < math.inf for t in tree_prior.values()):
                 raise ValueError(f"tree_prior needs sizes >= 1 with expected tokens per round > 0, got {tree_prior}")
             tree_nodes = max(tree_prior)
             block_size = tree_nodes + 1  # a grown tree's paths are at most block_size - 1 deep
@@ -596,18 +597,26 @@ class Engine:
 
         With a tree_prior, first choose the tree size: the one whose expected committed tokens per round (the prior)
         over its measured round cost (verify over its nodes + growing the tree) is the highest on this machine; the
-        costs then carry the choice and every size's numbers ("tree_choice")."""
+        costs then carry the choice and every size's numbers ("tree_choice"). A state prefilled before a call is
+        stale after it (its shapes are the old size's)."""
         if self.tree_prior is None:
             self.costs = self._measure(ids_BP, lengths_B, key, reps)
             return self.costs
-        top = self.static["tree"][1]
-        measured, table = {}, {}
-        for n, tau in sorted(self.tree_prior.items()):
-            self.static.update(k=n + 1, tree=(n, top))
-            measured[n] = c = self._measure(ids_BP, lengths_B, key, reps)
-            # The rest of a round (the walk, commit, cache crop) costs about the same at every size: left out.
-            round_ms = max(c["verify_ms"][0] + c["draft_ms"], 1e-3)  # 0: drowned in noise (`_loop_ms`)
-            table[n] = {"tau": tau, "round_ms": round(round_ms, 3), "tokens_per_s": round(1e3 * tau / round_ms, 2)}
+        before, top = dict(self.static), self.static["tree"][1]
+        measured, table, dearest = {}, {}, 0.0
+        try:
+            for n, tau in sorted(self.tree_prior.items()):
+                self.static.update(k=n + 1, tree=(n, top))
+                measured[n] = c = self._measure(ids_BP, lengths_B, key, reps)
+                # The rest of a round (the walk, commit, cache crop) is left out: 2-7% of a round in the measured
+                # loop overheads, the same at every size, so leaving it out favours smaller trees by at most that.
+                # A bigger tree never costs less: a measured dip is noise (each size is timed apart).
+                dearest = max(dearest, c["verify_ms"][0] + c["draft_ms"], 1e-3)  # 1e-3: drowned in noise
+                tps = round(1e3 * tau / dearest, 2)
+                table[n] = {"tau": tau, "round_ms": round(dearest, 3), "tokens_per_s": tps}
+        except BaseException:
+            self.static = before  # as it was: a failed choice leaves the engine's size and its costs unchanged
+            raise
         best = max(table, key=lambda n: table[n]["tokens_per_s"])
         self.static.update(k=best + 1, tree=(best, top))
         self.costs = {**measured[best], "tree_choice": {"nodes": best, "by_size": table}}
