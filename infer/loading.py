@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import re
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ from dflash_model.tokenizer import load_tokenizer
 from dflash_model.weights import load_target
 from infer import proposers
 from infer.replies import load_index
+from infer.spec import checked_tree_prior
 
 NGRAM_BLOCK = 8  # default K for prompt lookup: cheap drafts, and verify costs about the same up to here
 TREE_NODES = 16  # default draft-tree size (nodes besides the root) of 'tree:DIR'
@@ -97,13 +97,9 @@ def tree_prior(replies_file: str) -> dict[int, float] | None:
     if not path.is_file():
         return None
     try:
-        tau = json.loads(path.read_text())["tau"]
-        prior = {int(n): float(t) for n, t in tau.items()}
+        return checked_tree_prior(json.loads(path.read_text())["tau"])
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"{path}: expected {{'tau': {{tree size: tokens per round}}}} ({e})") from e
-    if not prior or min(prior) < 1 or not all(0 < t < math.inf for t in prior.values()):
-        raise ValueError(f"{path}: 'tau' needs sizes >= 1 with finite values > 0, got {tau}")
-    return prior
 
 
 def load_draft_spec(

@@ -458,6 +458,15 @@ class Generation:
     drafted: list[bool] = dataclasses.field(default_factory=list)  # whether each round ran a drafter forward
 
 
+def checked_tree_prior(prior) -> dict[int, float]:
+    """{tree size: expected committed tokens per round} as ints and floats, or ValueError where a size is below 1
+    or a value is not finite and positive (NaN and Infinity parse from JSON)."""
+    prior = {int(n): float(t) for n, t in prior.items()}
+    if not prior or min(prior) < 1 or not all(0 < t < math.inf for t in prior.values()):
+        raise ValueError(f"tree_prior needs sizes >= 1 with expected tokens per round > 0 and finite, got {prior}")
+    return prior
+
+
 class Engine:
     """A target + proposer + block size: `generate(prompts)`, or `prefill` and `decode` separately (timing).
 
@@ -487,7 +496,7 @@ class Engine:
         proposer = proposer or NoProposer()
         if tree_prior is not None:
             # The tree size is chosen by `calibrate` among the prior's; until then the engine is the largest's.
-            tree_prior = {int(n): float(t) for n, t in tree_prior.items()}
+            tree_prior = checked_tree_prior(tree_prior)
             if not hasattr(proposer, "propose_tree"):
                 raise ValueError(
                     "a tree size chosen at start-up (tree_prior) needs a proposer that grows its own tree (a lookup "
@@ -495,8 +504,6 @@ class Engine:
                 )
             if tree_nodes is not None or adaptive:
                 raise ValueError("tree_prior chooses the tree size: give it without tree_nodes and adaptive")
-            if not tree_prior or min(tree_prior) < 1 or not all(0 < t < math.inf for t in tree_prior.values()):
-                raise ValueError(f"tree_prior needs sizes >= 1 with expected tokens per round > 0, got {tree_prior}")
             tree_nodes = max(tree_prior)
             block_size = tree_nodes + 1  # a grown tree's paths are at most block_size - 1 deep
         self.tree_prior = tree_prior
