@@ -3,6 +3,7 @@ pairing with the target checked, published configs parsed into the presets."""
 
 import json
 import re
+from pathlib import Path
 
 import jax.numpy as jnp
 import ml_dtypes
@@ -347,3 +348,25 @@ def test_non_finite_weights_are_refused_at_load(exported, tmp_path):
     bad = _rewrite(exported[1], tmp_path / "nan", tensors=poison)
     with pytest.raises(ValueError, match=r"nan/model.safetensors: fc.weight: 1 non-finite values"):
         load_drafter(bad, TARGET)
+
+
+def test_continued_training_can_keep_the_init_drafters_vocabulary(tmp_path):
+    """drafter.init_vocab=true takes draft_vocab.json from the drafter.init directory, in its order; a missing file, a
+    size other than draft_vocab's and an init that is not a directory are refused by name."""
+    from train.config import load_config
+    from train.trainer import init_draft_vocab
+
+    shipped = Path(__file__).resolve().parents[1] / "drafters" / "smollm2-135m-dflash"
+    want = json.loads((shipped / "draft_vocab.json").read_text())["token_ids"]
+    cfg = load_config("smollm2-135m-regen", [f"drafter.init={shipped}", "drafter.init_vocab=true"])
+    assert cfg.draft_vocab == len(want) == 8192
+    got = init_draft_vocab(cfg, 49152)
+    assert got.dtype == np.int32 and got.tolist() == want
+    small = load_config("smollm2-135m-regen", [f"drafter.init={shipped}", "draft_vocab=4096"])
+    with pytest.raises(ValueError, match="holds 8192 tokens, draft_vocab=4096"):
+        init_draft_vocab(small, 49152)
+    empty = load_config("smollm2-135m-regen", [f"drafter.init={tmp_path}"])
+    with pytest.raises(ValueError, match="draft_vocab.json does not exist"):
+        init_draft_vocab(empty, 49152)
+    with pytest.raises(ValueError, match="needs drafter.init to be a drafter directory, not 'copy'"):
+        init_draft_vocab(load_config("smollm2-135m"), 49152)

@@ -31,8 +31,9 @@ def test_regenerated_path_names_every_setting(tmp_path, monkeypatch):
 
 
 def test_run_ends_with_an_eval_of_the_exported_drafter(tmp_path):
-    """train/run.py on the tiny config with eval on: the exported drafter, n-gram and plain decoding run through
-    the shared decode loop, every speculative output equals plain greedy, and a second run reuses the eval."""
+    """train/run.py on the tiny config with eval on: the exported drafter (over its draft vocabulary, and over the
+    whole one as a z-lab server runs it), n-gram and plain decoding run through the shared decode loop, every
+    speculative output equals plain greedy, and a second run reuses the eval."""
     from train.run import main
 
     rng = np.random.default_rng(0)
@@ -45,6 +46,7 @@ def test_run_ends_with_an_eval_of_the_exported_drafter(tmp_path):
         "tiny",
         f"run_dir={tmp_path / 'run'}",
         "train.steps=6",
+        "draft_vocab=64",
         "eval.enabled=true",
         f"eval.prompts={prompts}",
         "eval.max_new_tokens=12",
@@ -53,12 +55,13 @@ def test_run_ends_with_an_eval_of_the_exported_drafter(tmp_path):
     summary = main(args)
     rep = json.loads((tmp_path / "run" / "eval" / "eval.json").read_text())
     assert rep["trained_steps"] == 6 and rep["num_prompts"] == 2 and rep["drafter"].endswith("export")
-    assert set(rep["reports"]) == {"dflash", "ngram"}
+    assert set(rep["reports"]) == {"dflash", "dflash-fullvocab", "ngram"}
     for r in rep["reports"].values():
         assert r["lossless_mismatches"] == 0 and r["prompts"] == 2
         assert r["decode_tokens_plain"] == 2 * 11  # 12 new tokens each, the first from the prefill
         assert r["tau"] >= 1.0
-    assert rep["reports"]["dflash"]["block_size"] == 8 and rep["reports"]["ngram"]["block_size"] == 8
+    assert {r["block_size"] for r in rep["reports"].values()} == {8}
+    assert (tmp_path / "run" / "export" / "draft_vocab.json").is_file()
     assert (tmp_path / "run" / "eval" / "acceptance.png").stat().st_size > 0
     assert summary["eval"]["dflash"]["tau"] == rep["reports"]["dflash"]["tau"]
     again = main(args)  # nothing left to train; the eval of step 6 is reused, not recomputed

@@ -33,7 +33,13 @@ from dflash_model.drafter import (
     drafter_preset,
     scale_output_norm,
 )
-from dflash_model.drafter_weights import export_drafter, load_drafter, zlab_config
+from dflash_model.drafter_weights import (
+    DRAFT_VOCAB_FILE,
+    export_drafter,
+    load_draft_vocab,
+    load_drafter,
+    zlab_config,
+)
 from dflash_model.files import RunLock, local_dir, pull, push, run_path
 from dflash_model.target import build_target, config_of, forward, is_maxtext, randomize
 from dflash_model.tokenizer import load_tokenizer
@@ -217,6 +223,22 @@ def draft_vocabulary(records, vocab_size: int, size: int) -> np.ndarray:
     return np.argsort(-counts, kind="stable")[:size].astype(np.int32)
 
 
+def init_draft_vocab(cfg, vocab_size: int) -> np.ndarray:
+    """drafter.init_vocab: the draft vocabulary saved beside the drafter.init directory, of draft_vocab's size."""
+    init = cfg.drafter.init
+    if init in (None, "copy", "target"):
+        raise ValueError(f"drafter.init_vocab=true needs drafter.init to be a drafter directory, not {init!r}")
+    ids = load_draft_vocab(init, vocab_size)
+    if ids is None:
+        raise ValueError(f"drafter.init_vocab=true: {Path(init) / DRAFT_VOCAB_FILE} does not exist")
+    if len(ids) != int(cfg.draft_vocab):
+        raise ValueError(
+            f"drafter.init_vocab=true: {Path(init) / DRAFT_VOCAB_FILE} holds {len(ids)} tokens, draft_vocab="
+            f"{cfg.draft_vocab}"
+        )
+    return np.asarray(ids, np.int32)
+
+
 def resolve_mesh(cfg, devices=None):
     devices = list(jax.devices() if devices is None else devices)
     m = {k: int(cfg.mesh[k]) for k in ("data", "fsdp", "tensor")}
@@ -354,8 +376,13 @@ class Trainer:
             )
         self.vocab_ids = None
         if cfg.draft_vocab is not None:
-            ids = draft_vocabulary(records, self.target_cfg.vocab_size, int(cfg.draft_vocab))
+            if cfg.drafter.init_vocab:
+                ids = init_draft_vocab(cfg, self.target_cfg.vocab_size)
+            else:
+                ids = draft_vocabulary(records, self.target_cfg.vocab_size, int(cfg.draft_vocab))
             self.vocab_ids = jax.device_put(jnp.asarray(ids), NamedSharding(self.mesh, PartitionSpec()))
+        elif cfg.drafter.init_vocab:
+            raise ValueError("drafter.init_vocab=true needs draft_vocab (the size of the saved vocabulary)")
         epoch_steps = self.batches_per_epoch * int(cfg.train.epochs)
         self.total_steps = int(cfg.train.steps) if cfg.train.steps is not None else epoch_steps
         if self.total_steps > epoch_steps:

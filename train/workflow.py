@@ -233,6 +233,11 @@ def final_eval(cfg, trainer, tokenizer, rows: list[dict], export_dir: Path | Non
         vocab = None if trainer.vocab_ids is None else tuple(int(i) for i in jax.device_get(trainer.vocab_ids))
         dflash = dflash_draft("dflash", drafter, drafter.config, block, zero_features=zero, vocab=vocab)
     drafts = [dflash]
+    if export_dir is not None and e.fullvocab and dflash.proposer.vocab is not None:
+        # The same files over the whole vocabulary: what a z-lab server runs (the format has no draft vocabulary).
+        spec = f"fullvocab:{export_dir}"
+        served = load_draft_spec(spec, target_cfg, block, dtype=target_cfg.dtype, zero_features=zero)
+        drafts.append(dataclasses.replace(served, name="dflash-fullvocab"))
     if e.shipped is not None:
         shipped = Path(e.shipped)
         if (shipped / "config.json").is_file():

@@ -11,7 +11,8 @@ The tree that travels with each call must be small meanwhile (docs/, tests/ and 
 
 The prompts are the eligible ones (first turn of at most 256 tokens under the chat template) of ShareGPT records
 after --skip whose id is in none of the --replies files, in regenerate's own plan order, then with --code up to N
-code-completion prompts made from this Python's standard library (`stdlib_code_prompts`) and with --math the first N
+code-completion prompts made from this Python's standard library (`stdlib_code_prompts`), with --code-site up to N
+more from the venv's installed packages (`site_code_prompts`), and with --math the first N
 template word problems (`data.word_problems`), each less those with a reply already, written as {id, messages} JSONL.
 """
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import ast
 import gzip
+import hashlib
 import json
 import shutil
 import sysconfig
@@ -43,7 +45,20 @@ def stdlib_code_prompts(limit: int) -> list[dict]:
     with a docstring of at least 60 characters, in sorted file order. No benchmark prompt comes from here, so the
     target's replies to them are training data for code without touching an evaluation set.
     """
-    root = Path(sysconfig.get_paths()["stdlib"])
+    return code_prompts(Path(sysconfig.get_paths()["stdlib"]), "stdlib", limit)
+
+
+def site_code_prompts(limit: int) -> list[dict]:
+    """The same kind of prompts from the packages installed beside this Python (the project's venv: numpy, jax,
+    flax, transformers, ...), for more code than the standard library's 2,480 functions hold. Ordered by a hash of
+    their ids, so that any first N mix every package rather than the alphabet's first few."""
+    rows = code_prompts(Path(sysconfig.get_paths()["purelib"]), "site", None)
+    rows.sort(key=lambda row: hashlib.sha1(row["id"].encode()).hexdigest())
+    return rows[:limit]
+
+
+def code_prompts(root: Path, prefix: str, limit: int | None) -> list[dict]:
+    """HumanEval-shaped prompts (signature + docstring) under root, ids '{prefix}/{file}:{name}'."""
     rows: list[dict] = []
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root)
@@ -51,7 +66,7 @@ def stdlib_code_prompts(limit: int) -> list[dict]:
             continue
         try:
             tree = ast.parse(path.read_text(encoding="utf-8"))
-        except (SyntaxError, UnicodeDecodeError):
+        except (SyntaxError, UnicodeDecodeError, ValueError):
             continue
         classes = [c for c in tree.body if isinstance(c, ast.ClassDef) and not c.name.startswith("_")]
         funcs = [(f.name, f) for f in tree.body if isinstance(f, ast.FunctionDef)]
@@ -64,7 +79,7 @@ def stdlib_code_prompts(limit: int) -> list[dict]:
                 name=f.name, args=f.args, body=[ast.Expr(ast.Constant(doc))], decorator_list=[], returns=f.returns
             )
             text = ast.unparse(ast.fix_missing_locations(stub)) + "\n"
-            rows.append({"id": f"stdlib/{rel.as_posix()}:{name}", "messages": [{"role": "user", "content": text}]})
+            rows.append({"id": f"{prefix}/{rel.as_posix()}:{name}", "messages": [{"role": "user", "content": text}]})
             if len(rows) == limit:
                 return rows
     return rows
@@ -76,8 +91,12 @@ def main() -> None:
     leases = ("gpu-burst", "gpu-burst-2", "gpu-burst-3")
     committed = [str(ROOT / f"docs/results/{d}/regen_gpu.jsonl.gz") for d in leases]
     committed.append(str(ROOT / "docs/results/decoding/word-problems/replies.jsonl.gz"))
+    committed.append(str(ROOT / "docs/results/code-cpu/replies.jsonl.gz"))
     ap.add_argument("--replies", nargs="+", default=committed, help="replies regenerated already (JSONL or .jsonl.gz)")
     ap.add_argument("--code", type=int, default=0, help="add up to N standard-library code-completion prompts")
+    ap.add_argument(
+        "--code-site", type=int, default=0, help="add up to N code-completion prompts from the venv's packages"
+    )
     ap.add_argument("--math", type=int, default=0, help="add the first N template word problems (data.word_problems)")
     args = ap.parse_args()
     dev = ROOT / ".dev"
@@ -97,7 +116,9 @@ def main() -> None:
     convs, _ = load_conversations("sharegpt", skip=args.skip, require_assistant=False)
     done = {row["id"] for r in args.replies for _, row in iter_jsonl(r)}
     eligible, skipped = plan([cv for cv in convs if cv["id"] not in done], tok, 256)
-    made = (stdlib_code_prompts(args.code) if args.code else []) + (word_problems(args.math) if args.math else [])
+    made = stdlib_code_prompts(args.code) if args.code else []
+    made += site_code_prompts(args.code_site) if args.code_site else []
+    made += word_problems(args.math) if args.math else []
     made = [{"id": row["id"], "messages": row["messages"]} for row in made if row["id"] not in done]
     with gzip.open(c / "prompts.jsonl.gz", "wt", encoding="utf-8") as f:
         for rid, prompt, _ in eligible:
