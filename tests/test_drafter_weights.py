@@ -352,7 +352,7 @@ def test_non_finite_weights_are_refused_at_load(exported, tmp_path):
 
 def test_continued_training_can_keep_the_init_drafters_vocabulary(tmp_path):
     """drafter.init_vocab=true takes draft_vocab.json from the drafter.init directory, in its order; a missing file, a
-    size other than draft_vocab's and an init that is not a directory are refused by name."""
+    size other than draft_vocab's, an init that is not a directory and no draft_vocab are refused by name."""
     from train.config import load_config
     from train.trainer import init_draft_vocab
 
@@ -368,5 +368,8 @@ def test_continued_training_can_keep_the_init_drafters_vocabulary(tmp_path):
     empty = load_config("smollm2-135m-regen", [f"drafter.init={tmp_path}"])
     with pytest.raises(ValueError, match="draft_vocab.json does not exist"):
         init_draft_vocab(empty, 49152)
+    # Refused when the config is read, before a target loads: an init that is not a directory, no draft_vocab.
     with pytest.raises(ValueError, match="needs drafter.init to be a drafter directory, not 'copy'"):
-        init_draft_vocab(load_config("smollm2-135m"), 49152)
+        load_config("smollm2-135m", ["drafter.init_vocab=true"])
+    with pytest.raises(ValueError, match=r"needs draft_vocab \(the size of the saved vocabulary\)"):
+        load_config("smollm2-135m-regen", [f"drafter.init={shipped}", "drafter.init_vocab=true", "draft_vocab=null"])

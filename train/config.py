@@ -272,6 +272,10 @@ def _validate(cfg: dict, schema: dict | None = None) -> None:
             f"drafter.init_layers={list(d['init_layers'])} grows a loaded drafter: it needs drafter.init "
             f"to name a drafter directory, not {d['init']!r}"
         )
+    if d["init_vocab"] and d["init"] in (None, "target", "copy"):
+        raise ValueError(f"drafter.init_vocab=true needs drafter.init to be a drafter directory, not {d['init']!r}")
+    if d["init_vocab"] and cfg["draft_vocab"] is None:
+        raise ValueError("drafter.init_vocab=true needs draft_vocab (the size of the saved vocabulary)")
     if cfg["target"]["path"] is None and cfg["target"]["preset"] is None:
         raise ValueError("set target.path (real weights) or target.preset (random weights)")
 

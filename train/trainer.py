@@ -225,9 +225,7 @@ def draft_vocabulary(records, vocab_size: int, size: int) -> np.ndarray:
 
 def init_draft_vocab(cfg, vocab_size: int) -> np.ndarray:
     """drafter.init_vocab: the draft vocabulary saved beside the drafter.init directory, of draft_vocab's size."""
-    init = cfg.drafter.init
-    if init in (None, "copy", "target"):
-        raise ValueError(f"drafter.init_vocab=true needs drafter.init to be a drafter directory, not {init!r}")
+    init = cfg.drafter.init  # a drafter directory, and draft_vocab set: train.config checks both
     ids = load_draft_vocab(init, vocab_size)
     if ids is None:
         raise ValueError(f"drafter.init_vocab=true: {Path(init) / DRAFT_VOCAB_FILE} does not exist")
@@ -381,8 +379,6 @@ class Trainer:
             else:
                 ids = draft_vocabulary(records, self.target_cfg.vocab_size, int(cfg.draft_vocab))
             self.vocab_ids = jax.device_put(jnp.asarray(ids), NamedSharding(self.mesh, PartitionSpec()))
-        elif cfg.drafter.init_vocab:
-            raise ValueError("drafter.init_vocab=true needs draft_vocab (the size of the saved vocabulary)")
         epoch_steps = self.batches_per_epoch * int(cfg.train.epochs)
         self.total_steps = int(cfg.train.steps) if cfg.train.steps is not None else epoch_steps
         if self.total_steps > epoch_steps:
