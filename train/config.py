@@ -267,12 +267,13 @@ def _validate(cfg: dict, schema: dict | None = None) -> None:
             f"drafter.target_layer_ids={list(d['target_layer_ids'])} has {len(d['target_layer_ids'])} "
             f"layers but drafter.n_features={d['n_features']}: set them to agree"
         )
-    if d["init_layers"] is not None and d["init"] in (None, "target", "copy"):
+    init_is_dir = d["init"] not in (None, "target", "copy")  # the other inits build a drafter, load none
+    if d["init_layers"] is not None and not init_is_dir:
         raise ValueError(
             f"drafter.init_layers={list(d['init_layers'])} grows a loaded drafter: it needs drafter.init "
             f"to name a drafter directory, not {d['init']!r}"
         )
-    if d["init_vocab"] and d["init"] in (None, "target", "copy"):
+    if d["init_vocab"] and not init_is_dir:
         raise ValueError(f"drafter.init_vocab=true needs drafter.init to be a drafter directory, not {d['init']!r}")
     if d["init_vocab"] and cfg["draft_vocab"] is None:
         raise ValueError("drafter.init_vocab=true needs draft_vocab (the size of the saved vocabulary)")
