@@ -41,6 +41,7 @@ VARIANTS = {
     "1layer": ["drafter.num_layers=1"],
     "fast": ["num_anchors=64", "draft_vocab=4096", "features.mode=offline"],
     "fast-1layer": ["num_anchors=64", "draft_vocab=4096", "features.mode=offline", "drafter.num_layers=1"],
+    "fast-bf16": ["num_anchors=64", "draft_vocab=4096", "features.mode=offline", "train.compute_dtype=bfloat16"],
 }
 
 
@@ -195,6 +196,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default="runs/train_throughput.json")
     ap.add_argument("overrides", nargs="*", help="shared key=value overrides")
     args = ap.parse_args(argv)
+    from dflash_model.cli import add_xla_flags
+    from train.config import load_config
+
+    # XLA reads its flags once per process: the config's xla_flags hold for every variant measured here.
+    add_xla_flags(load_config(args.config, [f"data.source={args.data}", *args.overrides]).xla_flags)
 
     targets = None
     rows = []

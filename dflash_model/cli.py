@@ -20,3 +20,16 @@ def run_main(main, argv=None):
             raise
         print(f"error: {e}\n(set DFLASH_TRACEBACK=1 for the traceback)", file=sys.stderr)
         sys.exit(INPUT_ERROR_EXIT)
+
+
+def add_xla_flags(flags: str) -> None:
+    """Append `flags` (space-separated `--name=value`) to XLA_FLAGS, which XLA reads once, when JAX first starts a
+    backend: call it before any computation. A flag the environment sets already keeps the environment's value."""
+    have = os.environ.get("XLA_FLAGS", "").split()
+    names = {f.split("=", 1)[0] for f in have}
+    extra = [f for f in flags.split() if f.split("=", 1)[0] not in names]
+    for f in extra:
+        if not f.startswith("--"):
+            raise ValueError(f"xla_flags: {f!r} is not an XLA flag (expected --name=value)")
+    if extra:
+        os.environ["XLA_FLAGS"] = " ".join([*have, *extra])

@@ -63,6 +63,7 @@ def init_distributed() -> bool:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    from dflash_model.cli import add_xla_flags
     from train.config import cli_overrides, load_config
 
     args = sys.argv[1:] if argv is None else argv
@@ -72,9 +73,10 @@ def main(argv: list[str] | None = None) -> dict:
         return {}
     if "--dry-run" in args:
         return dry_run(args)
-    init_distributed()
     name, overrides = cli_overrides(args)
     cfg = load_config(name, overrides)
+    add_xla_flags(cfg.xla_flags)  # before init_distributed: the first thing that may start a JAX backend
+    init_distributed()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every checkpoint step at INFO
     log = logging.getLogger("dflash.train")
