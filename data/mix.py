@@ -79,10 +79,14 @@ def part_lines(part: Part) -> list[str]:
     return lines[part.skip : end]
 
 
-def mix(parts: list[Part], seed: int) -> list[str]:
-    rows = [line for part in parts for line in part_lines(part)]
+def _shuffled(chunks: list[list[str]], seed: int) -> list[str]:
+    rows = [line for chunk in chunks for line in chunk]
     random.Random(seed).shuffle(rows)
     return rows
+
+
+def mix(parts: list[Part], seed: int) -> list[str]:
+    return _shuffled([part_lines(part) for part in parts], seed)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,12 +96,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="seed of the shuffle of the whole mix")
     args = ap.parse_args(argv)
     parts = [parse_part(s) for s in args.parts]
-    counts = [len(part_lines(p)) for p in parts]
-    rows = mix(parts, args.seed)
+    chunks = [part_lines(p) for p in parts]  # each file read once: the counts printed below come from these
+    rows = _shuffled(chunks, args.seed)
     with atomic_writer(args.out) as f:
         f.write("".join(rows).encode("utf-8"))
-    for spec, n in zip(args.parts, counts):
-        print(f"{n:6d}  {spec}")
+    for spec, chunk in zip(args.parts, chunks):
+        print(f"{len(chunk):6d}  {spec}")
     print(f"{len(rows):6d}  -> {args.out}")
     return 0
 
