@@ -174,3 +174,31 @@ def test_read_done_keeps_unicode_line_separators_inside_a_record(tmp_path):
     out.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs), encoding="utf-8")
     assert "\u2028" in out.read_text(encoding="utf-8")
     assert read_done(out) == ["a", "b"]
+
+
+def test_resume_in_another_dtype_is_refused_and_old_files_count_as_float32(tmp_path, model, smol_tok):
+    """bfloat16 replies are not mixed into a float32 file; a settings file from before the dtype was recorded
+    (every such file was made in float32) resumes in float32 and refuses bfloat16."""
+    bf16 = tiny_target(
+        "llama",
+        vocab_size=49152,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        dtype="bfloat16",
+    )
+    out = tmp_path / "out.jsonl"
+    first = run(model, smol_tok, out, target_name="t")
+    side = tmp_path / "out.jsonl.settings.json"
+    settings = json.loads(side.read_text())
+    assert settings["dtype"] == "float32" and first["written"] == 5
+    with pytest.raises(ValueError, match=r"dtype='float32' there but 'bfloat16' now"):
+        run(bf16, smol_tok, out, target_name="t")
+    del settings["dtype"]
+    side.write_text(json.dumps(settings))
+    assert run(model, smol_tok, out, target_name="t")["already_done"] == 5
+    with pytest.raises(ValueError, match=r"dtype='float32' there but 'bfloat16' now"):
+        run(bf16, smol_tok, out, target_name="t")
