@@ -27,8 +27,7 @@ def smol_tok(tmp_path_factory):
     return tok
 
 
-@pytest.fixture(scope="module")
-def model():
+def tiny_smol(**changes):
     """A random Llama with SmolLM2's vocabulary (so its tokenizer applies) and a tiny body."""
     return tiny_target(
         "llama",
@@ -39,7 +38,13 @@ def model():
         num_attention_heads=2,
         num_key_value_heads=1,
         head_dim=16,
+        **changes,
     )
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_smol()
 
 
 def conversations():
@@ -179,17 +184,7 @@ def test_read_done_keeps_unicode_line_separators_inside_a_record(tmp_path):
 def test_resume_in_another_dtype_is_refused_and_old_files_count_as_float32(tmp_path, model, smol_tok):
     """bfloat16 replies are not mixed into a float32 file; a settings file from before the dtype was recorded
     (every such file was made in float32) resumes in float32 and refuses bfloat16."""
-    bf16 = tiny_target(
-        "llama",
-        vocab_size=49152,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        dtype="bfloat16",
-    )
+    bf16 = tiny_smol(dtype="bfloat16")
     out = tmp_path / "out.jsonl"
     first = run(model, smol_tok, out, target_name="t")
     side = tmp_path / "out.jsonl.settings.json"
