@@ -50,11 +50,12 @@ def main() -> None:
     tok = models["float32"][1]
     prompts = [ids for _, _, ids in plan(convs, tok, 256)[0]]
     stops = tuple(stop_token_ids(tok))
+    pad = tok.pad_token_id or 0  # as train.regenerate pads
     rows, replies = {}, {}
     for dt, (model, _) in models.items():
-        greedy_generate(model, prompts, args.max_new_tokens, stop_ids=stops)  # compile
+        greedy_generate(model, prompts, args.max_new_tokens, stop_ids=stops, pad_id=pad)  # compile
         t0 = time.perf_counter()
-        replies[dt] = greedy_generate(model, prompts, args.max_new_tokens, stop_ids=stops)
+        replies[dt] = greedy_generate(model, prompts, args.max_new_tokens, stop_ids=stops, pad_id=pad)
         secs = time.perf_counter() - t0
         tokens = sum(map(len, replies[dt]))
         rows[dt] = {"seconds": round(secs, 2), "new_tokens": tokens, "tokens_per_s": round(tokens / secs, 1)}
