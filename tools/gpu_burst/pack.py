@@ -93,7 +93,7 @@ def main() -> None:
     committed.append(str(ROOT / "docs/results/decoding/word-problems/replies.jsonl.gz"))
     committed += [
         str(ROOT / f"docs/results/{d}/replies.jsonl.gz")
-        for d in ("code-cpu", "code-cpu-2", "code-cpu-3", "code-cpu-5", "code-cpu-6", "code-cpu-7")
+        for d in ("code-cpu", "code-cpu-2", "code-cpu-3", "code-cpu-5", "code-cpu-6", "code-cpu-7", "code-cpu-8")
     ]
     ap.add_argument("--replies", nargs="+", default=committed, help="replies regenerated already (JSONL or .jsonl.gz)")
     ap.add_argument("--code", type=int, default=0, help="add up to N standard-library code-completion prompts")
