@@ -91,10 +91,10 @@ def main() -> None:
     leases = ("gpu-burst", "gpu-burst-2", "gpu-burst-3")
     committed = [str(ROOT / f"docs/results/{d}/regen_gpu.jsonl.gz") for d in leases]
     committed.append(str(ROOT / "docs/results/decoding/word-problems/replies.jsonl.gz"))
-    committed += [
-        str(ROOT / f"docs/results/{d}/replies.jsonl.gz")
-        for d in ("code-cpu", "code-cpu-2", "code-cpu-3", "code-cpu-5", "code-cpu-6", "code-cpu-7", "code-cpu-8")
-    ]
+    # every CPU regeneration's replies (code-cpu, code-cpu-2, ...), found rather than listed, so a new one counts as
+    # answered without an edit here
+    cpu_runs = sorted((ROOT / "docs/results").glob("code-cpu*/replies.jsonl.gz"), key=lambda p: p.parent.name)
+    committed += [str(p) for p in cpu_runs]
     ap.add_argument("--replies", nargs="+", default=committed, help="replies regenerated already (JSONL or .jsonl.gz)")
     ap.add_argument("--code", type=int, default=0, help="add up to N standard-library code-completion prompts")
     ap.add_argument(
