@@ -88,14 +88,18 @@ def code_prompts(root: Path, prefix: str, limit: int | None) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--skip", type=int, default=216, help="ShareGPT records passed over (216: the held-out ones)")
+    results = ROOT / "docs/results"
+
+    def found(pattern: str) -> list[str]:  # the committed reply files matching pattern, by directory name
+        return [str(p) for p in sorted(results.glob(pattern), key=lambda p: p.parent.name)]
+
     # every lease's and every CPU regeneration's replies (gpu-burst, gpu-burst-2, ...; code-cpu, code-cpu-2, ...),
     # found rather than listed, so a new one counts as answered without an edit here
-    results = ROOT / "docs/results"
-    leases = sorted(results.glob("gpu-burst*/regen_gpu.jsonl.gz"), key=lambda p: p.parent.name)
-    committed = [str(p) for p in leases]
-    committed.append(str(results / "decoding/word-problems/replies.jsonl.gz"))
-    cpu_runs = sorted(results.glob("code-cpu*/replies.jsonl.gz"), key=lambda p: p.parent.name)
-    committed += [str(p) for p in cpu_runs]
+    committed = [
+        *found("gpu-burst*/regen_gpu.jsonl.gz"),
+        str(results / "decoding/word-problems/replies.jsonl.gz"),
+        *found("code-cpu*/replies.jsonl.gz"),
+    ]
     ap.add_argument("--replies", nargs="+", default=committed, help="replies regenerated already (JSONL or .jsonl.gz)")
     ap.add_argument("--code", type=int, default=0, help="add up to N standard-library code-completion prompts")
     ap.add_argument(
