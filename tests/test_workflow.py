@@ -20,12 +20,27 @@ def test_heldout_split_keeps_the_tail_out_of_training():
         workflow.split_heldout(convs, 10)
 
 
+def test_heldout_split_holds_out_whole_conversations():
+    """ShareGPT's parts of one conversation (`X_0`, `X_4`, ...) go to one side: a held-out conversation has no
+    part in training, even one read before the cut; eval takes one prompt per held-out conversation."""
+    ids = ["a_0", "b_0", "b_4", "c_0", "b_9", "d_0", "d_2", "e_x"]
+    convs = [{"id": i, "messages": [{"role": "user", "content": i}]} for i in ids]
+    train, held = workflow.split_heldout(convs, 2)  # conversations in order a, b, c, d, e_x: d and e_x held out
+    assert [c["id"] for c in train] == ["a_0", "b_0", "b_4", "c_0", "b_9"]
+    assert [c["id"] for c in held] == ["d_0", "d_2", "e_x"]
+    assert [r["id"] for r in workflow.heldout_prompts(held)] == ["d_0", "e_x"]
+    train, held = workflow.split_heldout(convs, 4)  # b, c, d, e_x: b_0 read early is held out with b_9
+    assert [c["id"] for c in train] == ["a_0"]
+    with pytest.raises(ValueError, match="heldout=5 must be in 0..4"):
+        workflow.split_heldout(convs, 5)
+
+
 def test_regenerated_path_names_every_setting(tmp_path, monkeypatch):
     monkeypatch.setenv("DFLASH_CACHE", str(tmp_path))
     r = load_config("smollm2-135m").data.regenerate
     p = workflow.regenerated_path(r, "smollm2")
     assert p.parent == tmp_path / "regenerated"
-    assert p.name == f"smollm2-sharegpt-n{r.limit}-h{r.heldout}-p{r.max_prompt_tokens}-t{r.max_new_tokens}.jsonl"
+    assert p.name == f"smollm2-sharegpt-n{r.limit}-hc{r.heldout}-p{r.max_prompt_tokens}-t{r.max_new_tokens}.jsonl"
     other = load_config("smollm2-135m", ["data.regenerate.max_new_tokens=7"]).data.regenerate
     assert workflow.regenerated_path(other, "smollm2") != p
 

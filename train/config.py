@@ -115,13 +115,47 @@ def load_config(name_or_path: str | Path = "smollm2-135m", overrides: list[str] 
     schema = _read(CONFIG_DIR / "base.yml")
     path = _find(name_or_path)
     raw = _read(path)
-    cfg = _merge(schema, raw, schema, where=str(path))  # a preset may only set keys base.yml defines
-    cfg = apply_overrides(cfg, overrides or [], schema)
+    preset = _merge(schema, raw, schema, where=str(path))  # a preset may only set keys base.yml defines
+    cfg = apply_overrides(preset, overrides or [], schema)
+    blocks = _block_presets(cfg, schema, where=str(path))
+    if int(cfg["block_size"]) in blocks:
+        # The preset's values for this K, then the command line's again: an explicit override still wins.
+        preset = _merge(preset, blocks[int(cfg["block_size"])], schema, where=f"{path} blocks")
+        cfg = apply_overrides(preset, overrides or [], schema)
+    cfg["blocks"] = blocks  # one entry a K, however its key was spelled
     _validate(cfg, schema)
     # `{block_size}` in run_dir: `--block 16` and `--block 128` of one preset get their own run directories
     # (a checkpoint refuses to resume under another block size).
     cfg["run_dir"] = str(cfg["run_dir"]).replace("{block_size}", str(cfg["block_size"]))
     return Config(cfg)
+
+
+# Keys a `blocks:` entry may not set: K picks the entry, and entries do not nest.
+_NOT_PER_BLOCK = ("block_size", "blocks")
+
+
+def _block_presets(cfg: dict, schema: dict, where: str) -> dict[int, dict]:
+    """`blocks: {K: {key: value}}`, the settings a preset ships for block size K (`--block K`), checked whichever
+    K runs: every entry's keys must be keys of base.yml, and its values must pass the checks a run at its K does,
+    so a typo in the K=128 entry is found by a K=16 run too."""
+    out: dict[int, dict] = {}
+    for k, entry in (cfg.get("blocks") or {}).items():
+        if not str(k).isdigit():
+            raise ValueError(f"blocks.{k}: a blocks key is a block size (an int), not {k!r}")
+        if not isinstance(entry, dict):
+            raise ValueError(f"blocks.{k}={entry!r}: expected a mapping of config keys (e.g. num_anchors: 64)")
+        # YAML reads `128:` as an int, an override `blocks.128.x=...` as the string '128': one entry.
+        out[int(k)] = _merge(out.get(int(k), {}), entry, schema=None, where=where)
+    for k, entry in out.items():
+        for key in _NOT_PER_BLOCK:
+            if key in entry:
+                raise ConfigKeyError(f"config key 'blocks.{k}.{key}' in {where}: a blocks entry cannot set {key}")
+        merged = _merge(cfg, {**entry, "block_size": k}, schema, where=f"{where} blocks.{k}", prefix=f"blocks.{k}.")
+        try:
+            _validate(merged, schema)
+        except ValueError as e:
+            raise ValueError(f"blocks.{k}: {e}") from None
+    return out
 
 
 # Keys whose default in base.yml is null, so the schema cannot give their type: (type, lower bound), None allowed.
@@ -279,6 +313,11 @@ def _validate(cfg: dict, schema: dict | None = None) -> None:
         raise ValueError("drafter.init_vocab=true needs draft_vocab (the size of the saved vocabulary)")
     if cfg["target"]["path"] is None and cfg["target"]["preset"] is None:
         raise ValueError("set target.path (real weights) or target.preset (random weights)")
+    e = cfg["eval"]
+    eval_k = e["block"] if e["block"] is not None else cfg["block_size"]
+    bad = [k for k in e["also_blocks"] if isinstance(k, bool) or not isinstance(k, int) or not 2 <= k <= eval_k]
+    if bad:
+        raise ValueError(f"eval.also_blocks={list(e['also_blocks'])}: {bad[0]!r} is not a block size in 2..{eval_k}")
 
 
 def cli_overrides(argv: list[str]) -> tuple[str, list[str]]:

@@ -40,19 +40,43 @@ def regenerated_path(rcfg, target_name: str) -> Path:
     if rcfg.output is not None:
         return Path(rcfg.output)
     stem = Path(str(rcfg.prompts)).stem
-    name = f"{target_name}-{stem}-n{rcfg.limit}-h{rcfg.heldout}-p{rcfg.max_prompt_tokens}-t{rcfg.max_new_tokens}.jsonl"
+    # `hc`: the held-out count is of whole conversations (a file named `-h` held out records, another training set)
+    name = f"{target_name}-{stem}-n{rcfg.limit}-hc{rcfg.heldout}-p{rcfg.max_prompt_tokens}-t{rcfg.max_new_tokens}.jsonl"
     return cache_root() / "regenerated" / name
 
 
+def conversation_of(record_id: str) -> str:
+    """The conversation a record belongs to: ShareGPT splits a long conversation into records `<id>_<part>`
+    (`CipTWlm_0`, `CipTWlm_4`, ...), whose later parts continue the earlier ones' topic and text."""
+    stem, sep, part = str(record_id).rpartition("_")
+    return stem if sep and part.isdigit() else str(record_id)
+
+
 def split_heldout(conversations: list[dict], heldout: int) -> tuple[list[dict], list[dict]]:
-    """(train, held out): the last `heldout` conversations never reach training; eval uses their prompts."""
-    if heldout < 0 or heldout >= len(conversations):
+    """(train records, held-out records): the last `heldout` whole conversations (every record of each, by
+    `conversation_of`) never reach training, so no eval prompt is a turn of a conversation trained on."""
+    order = list(dict.fromkeys(conversation_of(c["id"]) for c in conversations))
+    if heldout < 0 or heldout >= len(order):
         raise ValueError(
-            f"data.regenerate.heldout={heldout} must be in 0..{len(conversations) - 1} "
-            f"({len(conversations)} conversations read)"
+            f"data.regenerate.heldout={heldout} must be in 0..{len(order) - 1} "
+            f"({len(order)} conversations in the {len(conversations)} records read)"
         )
-    cut = len(conversations) - heldout
-    return conversations[:cut], conversations[cut:]
+    held_out = set(order[len(order) - heldout :])
+    train = [c for c in conversations if conversation_of(c["id"]) not in held_out]
+    return train, [c for c in conversations if conversation_of(c["id"]) in held_out]
+
+
+def heldout_prompts(held: list[dict]) -> list[dict]:
+    """One eval prompt per held-out conversation: the first turn of its first record (later records of a
+    ShareGPT conversation continue it, and would weigh a long conversation many times)."""
+    rows, seen = [], set()
+    for c in held:
+        conv = conversation_of(c["id"])
+        prompt = first_turn_prompt(c["messages"])
+        if conv not in seen and prompt is not None:
+            seen.add(conv)
+            rows.append({"id": c["id"], "messages": prompt})
+    return rows
 
 
 def prepare_regenerated(cfg, model, tok, target_name: str) -> tuple[Path, list[dict]]:
@@ -87,12 +111,7 @@ def prepare_regenerated(cfg, model, tok, target_name: str) -> tuple[Path, list[d
         )
     else:
         log.info("regenerated data already complete: %s (%d replies)", out, stats["already_done"])
-    rows = []
-    for c in held:
-        prompt = first_turn_prompt(c["messages"])
-        if prompt is not None:
-            rows.append({"id": c["id"], "messages": prompt})
-    return out, rows
+    return out, heldout_prompts(held)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -233,6 +252,11 @@ def final_eval(cfg, trainer, tokenizer, rows: list[dict], export_dir: Path | Non
         vocab = None if trainer.vocab_ids is None else tuple(int(i) for i in jax.device_get(trainer.vocab_ids))
         dflash = dflash_draft("dflash", drafter, drafter.config, block, zero_features=zero, vocab=vocab)
     drafts = [dflash]
+    for k in e.also_blocks:
+        if not 2 <= int(k) <= dflash.block_size:
+            raise ValueError(f"eval.also_blocks={list(e.also_blocks)}: {k} is not in 2..{dflash.block_size} (the eval's K)")
+        # The same drafter at a narrower width: what a server running a wide drafter at K=16 gets.
+        drafts.append(dataclasses.replace(dflash, name=f"dflash@{int(k)}", block_size=int(k)))
     if export_dir is not None and e.fullvocab and dflash.proposer.vocab is not None:
         # The same files over the whole vocabulary: what a z-lab server runs (the format has no draft vocabulary).
         spec = f"fullvocab:{export_dir}"
