@@ -1,7 +1,15 @@
-"""Measure a proposer on a prompt set: tau, per-position acceptance, TPOT and speedup vs plain decoding, lossless check.
+"""Measure a proposer on a prompt set: tau, survival and per-position acceptance, TPOT and speedup vs plain decoding,
+the speedup projected on accelerator profiles, lossless check.
 
   python -m infer.eval --target DIR|FILE.gguf|smollm2 --draft DIR|ngram|random|none \
-      --dataset humaneval|gsm8k|mtbench|FILE.jsonl [--limit N] --max-new-tokens N [--block K] --out DIR
+      --dataset humaneval|gsm8k|mtbench|FILE.jsonl [--limit N] --max-new-tokens N [--block K] \
+      [--profiles tpu-v5p,h100,this-machine] --out DIR
+
+tau, the headline, is tau_pooled = 1 + total accepted drafts / total rounds (every round weighs the same;
+vllm-project/speculators' convention); tau_per_prompt, the mean over prompts of each prompt's committed tokens per
+round (z-lab dflash.benchmark's), is reported beside it. Survival S_j = P(at least j drafts accepted in a round).
+The measured speedup is wall clock on this machine; a projected speedup is tau over the round cost a profile
+(infer/profiles/NAME.json, in plain decode steps) predicts for the rounds' verify widths, not a timing.
 
 Greedy, batch 1 (the speedup convention). Prompts are chat-templated with thinking off. Both engines are the
 same code: the baseline is proposer none with K = 1. Timing is decode only: prefill and the decode loop are
@@ -14,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import sys
 import time
@@ -31,10 +38,25 @@ from dflash_model.cli import run_main
 from dflash_model.files import atomic_write_text, local_dir, push, run_path
 from dflash_model.tokenizer import chat_prompt_ids, stop_token_ids
 from infer.loading import NGRAM_BLOCK, at_least, check_prompt_ids, load_draft_spec, load_target_spec
+from infer.metrics import conditional_acceptance, strict_dumps, survival, tau_per_prompt, tau_pooled
 from infer.plain import bucket_length
+from infer.projection import HEADLINE_PROFILE, Profile, available_profiles, load_profiles, project
+from infer.proposers import Stateless
 from infer.spec import Engine
 
 DATASETS = ("humaneval", "gsm8k", "mtbench")
+TAU_NOTE = (
+    "tau (the headline) = tau_pooled = 1 + total accepted drafts / total rounds: every round weighs the same "
+    "(vllm-project/speculators' convention); tau_per_prompt = mean over prompts of each prompt's committed tokens "
+    "per round: every prompt weighs the same (z-lab dflash.benchmark's convention; prompts with no round left out)"
+)
+PROJECTION_NOTE = (
+    "projected_speedup[profile] = committed tokens / the rounds' cost in plain decode steps as infer/profiles/"
+    "<profile>.json predicts it: each round verify_cost(its verify width) + draft_cost where a drafter forward ran, "
+    "+ lookup_draft_cost where none did (n-gram, reply lookup, lookup trees; 0 in the committed profiles, an upper "
+    "bound); = tau_pooled / projected_round_cost. A projection from those costs, not a timing: `speedup` is the "
+    "measured one. null where a round's width is outside the profile's curve (projection_refused says which)"
+)
 
 
 def dataset_messages(name: str, limit: int | None = None) -> list[dict]:
@@ -82,24 +104,40 @@ def encode(rows: list[dict], tokenizer) -> list[list[int]]:
 
 
 def acceptance_stats(accept_lengths: list[int], k: int) -> dict:
-    """tau, its histogram and per-position acceptance from the committed lengths (bonus included) of rounds.
+    """tau (pooled over rounds), its histogram and per-position acceptance from the committed lengths (bonus
+    included) of rounds (infer.metrics).
 
     With a = accept_length - 1 accepted drafts in a round, position j (1..K-1) was accepted iff a >= j.
-    unconditional[j] = #(a >= j) / rounds (vLLM's per-position rate); conditional[j] = #(a >= j) / #(a >= j-1),
-    the rate given every earlier draft was accepted (EAGLE's n-alpha).
+    survival[j] = unconditional[j] = #(a >= j) / rounds (vLLM's per-position rate); conditional[j] =
+    #(a >= j) / #(a >= j-1), the rate given every earlier draft was accepted (EAGLE's n-alpha).
     """
     lengths = np.asarray(accept_lengths, np.int64)
-    rounds = int(lengths.size)
-    a = lengths - 1
-    reached = [int(np.sum(a >= j)) for j in range(k)]  # reached[j] = rounds with >= j accepted drafts
-    uncond = [reached[j] / rounds if rounds else math.nan for j in range(1, k)]
-    cond = [reached[j] / reached[j - 1] if reached[j - 1] else math.nan for j in range(1, k)]
+    surv = survival(lengths, k)
     return {
-        "rounds": rounds,
-        "tau": float(lengths.mean()) if rounds else math.nan,
+        "rounds": int(lengths.size),
+        "tau": tau_pooled(lengths),
         "tau_histogram": {str(t): int(np.sum(lengths == t)) for t in range(1, k + 1)},
-        "acceptance_unconditional": uncond,
-        "acceptance_conditional": cond,
+        "acceptance_unconditional": surv,
+        "acceptance_conditional": conditional_acceptance(lengths, k),
+        "survival": list(surv),
+    }
+
+
+def has_drafter(draft) -> bool:
+    """Whether the decoder's rounds can run a drafter forward (a lookup proposer's draft costs next to nothing)."""
+    return not isinstance(draft.proposer, Stateless)
+
+
+def tau_and_projection(records: list[dict], draft, profiles: dict[str, Profile]) -> dict:
+    """Both taus and the speedup each profile projects for these rounds (infer.projection)."""
+    per_prompt = [r["accept_lengths"] for r in records]
+    return {
+        "tau_pooled": tau_pooled([a for lengths in per_prompt for a in lengths]),
+        "tau_per_prompt": tau_per_prompt(per_prompt),
+        "tau_headline": "tau_pooled",
+        "tau_note": TAU_NOTE,
+        **project(profiles, records, draft.block_size, has_drafter(draft)),
+        "projection_note": PROJECTION_NOTE,
     }
 
 
@@ -138,13 +176,15 @@ def run_comparison(
     progress: bool = True,
     repeats: int = 1,
     overhead: bool = False,
+    profiles: list[str] | None = None,
 ) -> dict[str, dict]:
     """Each prompt decoded plainly and by every draft back to back (batch 1, greedy), `repeats` times, the order
     reversed on every other repeat so that a drift in the machine's speed falls on both sides; {draft name:
     report}. Every report compares against the same plain runs, so the drafts' speedups share one baseline.
     overhead: also time every fixed-width engine's forwards alone (`Engine.calibrate`, a few compiles more) for
     the loop-overhead ratio; adaptive engines and those choosing their tree size are always calibrated (they choose
-    from those costs)."""
+    from those costs). profiles: the accelerator profiles to project speedups on (default: every committed one)."""
+    projection_profiles = load_profiles(profiles)
     names = [d.name for d in drafts]
     if len(set(names)) != len(names):
         raise ValueError(f"draft names must be distinct to compare them: {names}")
@@ -192,6 +232,7 @@ def run_comparison(
                     "spec_tokens": g_spec.tokens,
                     "accept_lengths": g_spec.accept_lengths,
                     "verify_widths": g_spec.verify_widths,
+                    "drafted": g_spec.drafted,
                     "plain_decode_s": times[id(plain)],
                     "spec_decode_s": times[id(spec)],
                     "plain_predicted_s": _predicted_s(plain, g_plain) if plain.costs else math.nan,
@@ -202,7 +243,7 @@ def run_comparison(
     for d, spec in zip(drafts, specs):
         if spec.costs and "tree_choice" in spec.costs:  # a tree size chosen at start-up: report the one decoded
             d = dataclasses.replace(d, block_size=spec.block_size, tree_nodes=spec.costs["tree_choice"]["nodes"])
-        out[d.name] = summarize(records[d.name], d, max_new_tokens)
+        out[d.name] = summarize(records[d.name], d, max_new_tokens, projection_profiles)
         out[d.name]["costs_ms"] = {name: e.costs for name, e in (("plain", plain), (d.name, spec)) if e.costs}
     return out
 
@@ -213,7 +254,8 @@ def _seconds(r: dict, key: str) -> list[float]:
     return list(v) if isinstance(v, (list, tuple)) else [v]
 
 
-def summarize(records: list[dict], draft, max_new_tokens: int) -> dict:
+def summarize(records: list[dict], draft, max_new_tokens: int, profiles: dict[str, Profile] | None = None) -> dict:
+    """A decoder's report from its per-prompt records; profiles: those to project speedups on (default: all)."""
     k = draft.block_size
     stats = acceptance_stats([a for r in records for a in r["accept_lengths"]], k)
     widths = [w for r in records for w in r.get("verify_widths", [])]
@@ -256,8 +298,9 @@ def summarize(records: list[dict], draft, max_new_tokens: int) -> dict:
         "prompts": len(records),
         "max_new_tokens": max_new_tokens,
         **stats,
+        **tau_and_projection(records, draft, load_profiles() if profiles is None else profiles),
         "mean_verify_width": float(np.mean(widths)) if widths else float(k),
-        "acceptance_note": "position j = j-th draft of a round; unconditional = #(accepted >= j) / rounds; "
+        "acceptance_note": "position j = j-th draft of a round; survival = unconditional = #(accepted >= j) / rounds; "
         "conditional = #(accepted >= j) / #(accepted >= j-1) (adaptive: rounds that verified fewer than j "
         "drafts count as not accepting j)",
         "tpot_plain_ms": tpot_plain,
@@ -324,113 +367,166 @@ def format_flips(flips: dict) -> str:
     )
 
 
+def _num(x, digits: int = 3) -> str:
+    """A number for a table; '-' where there is none (None or NaN: not measured, e.g. forwards not timed alone, or
+    no round reached that position)."""
+    return "-" if x is None or math.isnan(x) else f"{x:.{digits}f}"
+
+
+def _profiles_of(rep: dict) -> list[str]:
+    """The report's projection profiles, the headline one first."""
+    names = list(rep.get("projected_speedup") or {})
+    return sorted(names, key=lambda n: n != HEADLINE_PROFILE)
+
+
+def _times(x, digits: int = 2) -> str:
+    return "-" if x is None or math.isnan(x) else f"{x:.{digits}f}x"
+
+
+def _projected(rep: dict, profile: str) -> str:
+    return _times((rep.get("projected_speedup") or {}).get(profile))
+
+
+def _projected_others(rep: dict, names: list[str]) -> str:
+    """'h100 1.91x, this-machine 0.70x': the non-headline profiles' projections in one cell."""
+    return ", ".join(f"{n} {_projected(rep, n)}" for n in names) or "-"
+
+
+def _tau_footer(rep: dict) -> str:
+    return f"{rep.get('tau_note', TAU_NOTE)}."
+
+
+def _projection_rows(rep: dict) -> list[str]:
+    rows = []
+    for name in _profiles_of(rep):
+        cost = (rep.get("projected_round_cost") or {}).get(name)
+        refused = (rep.get("projection_refused") or {}).get(name)
+        detail = f"refused: {refused}" if refused else f"round = {_num(cost, 2)} plain steps"
+        rows.append(f"| projected speedup, {name} profile (not a timing) | {_projected(rep, name)} ({detail}) |")
+    return rows
+
+
 def format_table(rep: dict) -> str:
+    k = rep["block_size"]
     lines = [
-        f"draft={rep['draft']}  K={rep['block_size']}  prompts={rep['prompts']}  "
-        f"max_new_tokens={rep['max_new_tokens']}",
+        f"draft={rep['draft']}  K={k}  prompts={rep['prompts']}  max_new_tokens={rep['max_new_tokens']}",
         "| metric | value |",
         "|---|---|",
         f"| verify rounds | {rep['rounds']} |",
-        f"| tau (mean committed per round, bonus incl.) | {rep['tau']:.3f} |",
-        f"| TPOT plain (ms) | {rep['tpot_plain_ms']:.2f} |",
-        f"| TPOT speculative (ms) | {rep['tpot_spec_ms']:.2f} |",
-        f"| speedup (decode only) | {rep['speedup']:.3f}x {_spread(rep)} |",
-        f"| loop overhead (round / its parts timed alone) | {_ratio(rep.get('loop_overhead'), 3)} |",
-        f"| tokens/s plain / speculative | {rep['tokens_per_s_plain']:.2f} / {rep['tokens_per_s_spec']:.2f} |",
+        f"| tau (mean committed per round, bonus incl.; pooled over rounds, the headline) | {_num(rep['tau'])} |",
+        f"| tau per prompt (mean over prompts of each prompt's tau) | {_num(rep.get('tau_per_prompt'))} |",
+        f"| TPOT plain (ms) | {_num(rep['tpot_plain_ms'], 2)} |",
+        f"| TPOT speculative (ms) | {_num(rep['tpot_spec_ms'], 2)} |",
+        f"| speedup, measured wall clock (decode only) | {_times(rep['speedup'], 3)}{_spread(rep)} |",
+        *_projection_rows(rep),
+        f"| loop overhead (round / its parts timed alone) | {_num(rep.get('loop_overhead'))} |",
+        f"| tokens/s plain / speculative | {_num(rep['tokens_per_s_plain'], 2)} / "
+        f"{_num(rep['tokens_per_s_spec'], 2)} |",
         f"| lossless mismatches (prompts) | {rep['lossless_mismatches']} / {rep['prompts']} |",
         "",
         "tau histogram: " + "  ".join(f"{t}:{c}" for t, c in rep["tau_histogram"].items()),
         "",
-        "| draft position j | " + " | ".join(str(j) for j in range(1, rep["block_size"])) + " |",
-        "|---|" + "---|" * (rep["block_size"] - 1),
-        "| accepted, unconditional | " + " | ".join(f"{x:.3f}" for x in rep["acceptance_unconditional"]) + " |",
-        "| accepted, conditional | " + " | ".join(f"{x:.3f}" for x in rep["acceptance_conditional"]) + " |",
+        "| draft position j | " + " | ".join(str(j) for j in range(1, k)) + " |",
+        "|---|" + "---|" * (k - 1),
+        "| survival S_j = P(>= j accepted) | " + " | ".join(_num(x) for x in rep["acceptance_unconditional"]) + " |",
+        "| conditional P(j accepted given j-1) | " + " | ".join(_num(x) for x in rep["acceptance_conditional"]) + " |",
+        "",
+        _tau_footer(rep) + " Projected speedups are tau over the round cost an accelerator profile predicts "
+        "(infer/profiles/NAME.json), not timings; the measured speedup is this run's wall clock.",
     ]
     for m in rep["mismatch_examples"]:
         lines.append(f"MISMATCH {m['id']}: first diff at {m['first_diff']}: plain {m['plain']} spec {m['spec']}")
     return "\n".join(lines)
 
 
-def plot_acceptance(rep: dict, path: Path) -> None:
+def _nan_for_none(values) -> list[float]:
+    """Rates read back from a strict eval.json hold None where the run had NaN; matplotlib wants NaN (a gap)."""
+    return [math.nan if v is None else v for v in values]
+
+
+def _plot_survival(reports: dict[str, dict], path: Path, title: str) -> None:
+    """Two panels, one line per decoder up to its own K-1: survival S_j against position j, and the conditional
+    acceptance at j beside it."""
     import matplotlib  # plots only: an eval that draws none never loads matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import matplotlib.ticker
 
-    j = list(range(1, rep["block_size"]))
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(j, rep["acceptance_unconditional"], "o-", label="unconditional: #(accepted >= j) / rounds")
-    ax.plot(j, rep["acceptance_conditional"], "s--", label="conditional on positions < j accepted")
-    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
-    ax.set_xlabel("draft position j")
-    ax.set_ylabel("acceptance rate")
-    ax.set_ylim(0, 1.02)
-    ax.set_title(f"{rep['draft']}, K={rep['block_size']}, tau={rep['tau']:.2f}, {rep['prompts']} prompts")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    fig, (surv_ax, cond_ax) = plt.subplots(1, 2, figsize=(11, 3.8), sharex=True)
+    for name, r in reports.items():
+        j = list(range(1, r["block_size"]))
+        label = f"{name} (K={r['block_size']}, tau={_num(r['tau'], 2)})"
+        ms = 3 if len(j) <= 16 else 0
+        surv_ax.plot(j, _nan_for_none(r.get("survival", r["acceptance_unconditional"])), "o-", ms=ms, label=label)
+        cond_ax.plot(j, _nan_for_none(r["acceptance_conditional"]), "s--", ms=ms, label=label)
+    surv_ax.set_ylabel("survival $S_j$ = P(>= j drafts accepted)")
+    cond_ax.set_ylabel("P(draft j accepted | drafts < j accepted)")
+    for ax in (surv_ax, cond_ax):
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+        ax.set_xlabel("draft position j")
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+    surv_ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def _ratio(x, digits: int = 2) -> str:
-    """A ratio for a table; '-' where it was not measured (None or NaN: the forwards were not timed alone)."""
-    return "-" if x is None or math.isnan(x) else f"{x:.{digits}f}"
+def plot_acceptance(rep: dict, path: Path) -> None:
+    """One decoder's survival and conditional acceptance against draft position."""
+    title = f"{rep['draft']}, K={rep['block_size']}, tau={_num(rep['tau'], 2)}, {rep['prompts']} prompts"
+    _plot_survival({rep["draft"]: rep}, path, title)
 
 
 def _spread(rep: dict) -> str:
     """'(min-max over R repeats)' of the speedup, or '' for one repeat."""
     per = rep.get("speedup_per_repeat") or []
-    return f"({min(per):.2f}-{max(per):.2f} over {len(per)})" if len(per) > 1 else ""
+    return f" ({min(per):.2f}-{max(per):.2f} over {len(per)})" if len(per) > 1 else ""
+
+
+def _comparison_row(name: str, r: dict, headline: str, others: list[str]) -> str:
+    acc = (list(r["acceptance_unconditional"]) + [math.nan] * 3)[:3]
+    return (
+        f"| {name} | {r['block_size']} | {r.get('mean_verify_width', r['block_size']):.1f} | {_num(r['tau'])} | "
+        f"{_num(r.get('tau_per_prompt'))} | "
+        + " | ".join(_num(a) for a in acc)
+        + f" | {_num(r['tpot_spec_ms'], 1)} | {_times(r['speedup'])}{_spread(r)} | {_projected(r, headline)} | "
+        f"{_projected_others(r, others)} | {_num(r.get('loop_overhead'), 2)} | {_num(r['tokens_per_s_spec'], 2)} | "
+        f"{r['prompts'] - r['lossless_mismatches']}/{r['prompts']} equal |"
+    )
 
 
 def format_comparison(reports: dict[str, dict]) -> str:
     """One row per decoder, plain first: the table a run prints at its end."""
     first = next(iter(reports.values()))
+    names = _profiles_of(first)
+    headline, others = (names[0], names[1:]) if names else ("-", [])
     lines = [
         f"{first['prompts']} prompts, up to {first['max_new_tokens']} new tokens, greedy, batch 1; decoders "
-        f"interleaved prompt by prompt, {first.get('repeats', 1)} repeat(s): TPOT and speedup are medians, decode "
-        "only, the range over repeats in brackets; width = mean tokens verified per round; overhead = decode time / "
-        "its verify and drafter forwards timed alone",
-        "| decoder | K | width | tau | acc. pos 1 | acc. pos 2 | acc. pos 3 | TPOT ms | speedup | overhead | tokens/s "
-        "| lossless |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
-        f"| plain | 1 | 1.0 | 1.000 | - | - | - | {first['tpot_plain_ms']:.1f} | 1.00x | "
-        f"{_ratio(first.get('loop_overhead_plain'))} | {first['tokens_per_s_plain']:.2f} | - |",
+        f"interleaved prompt by prompt, {first.get('repeats', 1)} repeat(s): TPOT and measured speedup are medians, "
+        "decode only, the range over repeats in brackets; width = mean tokens verified per round; overhead = decode "
+        "time / its verify and drafter forwards timed alone",
+        f"| decoder | K | width | tau | tau/prompt | S_1 | S_2 | S_3 | TPOT ms | speedup, measured | projected, "
+        f"{headline} | projected, other profiles | overhead | tokens/s | lossless |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---|",
+        f"| plain | 1 | 1.0 | 1.000 | 1.000 | - | - | - | {_num(first['tpot_plain_ms'], 1)} | 1.00x | 1.00x | "
+        f"{', '.join(f'{n} 1.00x' for n in others) or '-'} | {_num(first.get('loop_overhead_plain'), 2)} | "
+        f"{_num(first['tokens_per_s_plain'], 2)} | - |",
+        *(_comparison_row(name, r, headline, others) for name, r in reports.items()),
+        "",
+        _tau_footer(first) + " S_j = survival, P(at least j drafts accepted in a round). Projected = tau over "
+        "the round cost a profile (infer/profiles/NAME.json) predicts for the rounds' verify widths, in plain decode "
+        "steps: a projection, not a timing ('-': a width outside the profile's curve); the measured speedup is this "
+        "run's wall clock.",
     ]
-    for name, r in reports.items():
-        acc = (list(r["acceptance_unconditional"]) + [math.nan] * 3)[:3]
-        lines.append(
-            f"| {name} | {r['block_size']} | {r.get('mean_verify_width', r['block_size']):.1f} | {r['tau']:.3f} | "
-            + " | ".join(f"{a:.3f}" for a in acc)
-            + f" | {r['tpot_spec_ms']:.1f} | {r['speedup']:.2f}x {_spread(r)} | "
-            f"{_ratio(r.get('loop_overhead'))} | {r['tokens_per_s_spec']:.2f} | "
-            f"{r['prompts'] - r['lossless_mismatches']}/{r['prompts']} equal |"
-        )
     return "\n".join(lines)
 
 
 def plot_comparison(reports: dict[str, dict], path: Path, title: str = "") -> None:
-    """Unconditional per-position acceptance of several decoders on one axis (x up to the widest block)."""
-    import matplotlib  # plots only (as in plot_acceptance)
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 3.8))
-    for name, r in reports.items():
-        j = list(range(1, r["block_size"]))
-        ax.plot(j, r["acceptance_unconditional"], "o-", ms=3, label=f"{name} (K={r['block_size']}, tau={r['tau']:.2f})")
-    ax.set_xlabel("draft position j")
-    ax.set_ylabel("#(accepted >= j) / rounds")
-    ax.set_ylim(0, 1.02)
-    ax.set_title(title or "per-position acceptance")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    """Survival and conditional acceptance of several decoders against draft position (each up to its own K-1)."""
+    _plot_survival(reports, path, title or "survival and conditional acceptance")
 
 
 def parse_args(argv=None):
@@ -465,12 +561,32 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0, help="init seed of --draft random")
     ap.add_argument("--out", required=True)
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument(
+        "--profiles",
+        type=_profile_names,
+        default=None,
+        help="comma-separated accelerator profiles to project each decoder's speedup on (tau / the round cost the "
+        f"profile predicts, in plain decode steps; a projection, not a timing): {', '.join(available_profiles())} "
+        "(default: all; 'none' for no projection). The headline tau is tau_pooled (1 + accepted / rounds); "
+        "tau_per_prompt is reported beside it",
+    )
     args = ap.parse_args(argv)
     if args.compare:
         args.draft = (args.draft or []) + compare_specs(args.compare)
     if not args.draft:
         ap.error("give --draft (one or more) or --compare DIR")
     return args
+
+
+def _profile_names(value: str) -> list[str]:
+    """--profiles: names of committed profiles, checked here so that a typo fails before any model loads."""
+    if value == "none":
+        return []
+    names = [n for n in value.split(",") if n]
+    unknown = sorted(set(names) - set(available_profiles()))
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown profile(s) {unknown}; the profiles are {available_profiles()}")
+    return names
 
 
 def compare_specs(drafter_dir: str) -> list[str]:
@@ -523,6 +639,7 @@ def main(argv=None) -> dict:
         progress=not args.no_progress,
         repeats=args.repeats,
         overhead=True,
+        profiles=args.profiles,
     )
     about = {
         "command": " ".join(["python -m infer.eval", *(sys.argv[1:] if argv is None else argv)]),
@@ -530,6 +647,8 @@ def main(argv=None) -> dict:
         "dataset": args.dataset,
         "device": str(jax.devices()[0]),
         "dtype": target.config.dtype,
+        "tau_headline": "tau_pooled",
+        "projection_profiles": {n: p.summary() for n, p in load_profiles(args.profiles).items()},
     }
     flips = _flips_against_fp32(args, target, prompts, reports, stop_ids)
     # One draft: its report is the file (with the run's facts); several: one table over all of them.
@@ -537,9 +656,9 @@ def main(argv=None) -> dict:
     if flips:
         rep["flips_vs_fp32"] = flips
     # No path of this machine in a result meant to be committed: the home directory reads as ~.
-    atomic_write_text(out / "eval.json", json.dumps(rep, indent=1).replace(str(Path.home()), "~"))
+    atomic_write_text(out / "eval.json", strict_dumps(rep, indent=1).replace(str(Path.home()), "~"))
     if len(drafts) > 1:
-        plot_comparison(reports, out / "acceptance.png", title=f"{args.dataset}: per-position acceptance")
+        plot_comparison(reports, out / "acceptance.png", title=f"{args.dataset}: survival and conditional acceptance")
         table = format_comparison(reports)
     else:
         plot_acceptance(rep, out / "acceptance.png")
