@@ -25,6 +25,7 @@ from dflash_model.target import is_maxtext
 from dflash_model.tokenizer import load_tokenizer, stop_token_ids
 from infer.eval import dataset_messages, encode, format_comparison, format_table, plot_comparison, run_comparison
 from infer.loading import dflash_draft, load_draft_spec
+from infer.metrics import strict_dumps
 from train.regenerate import first_turn_prompt, pending, regenerate
 
 log = logging.getLogger("dflash.train")
@@ -254,7 +255,9 @@ def final_eval(cfg, trainer, tokenizer, rows: list[dict], export_dir: Path | Non
     drafts = [dflash]
     for k in e.also_blocks:
         if not 2 <= int(k) <= dflash.block_size:
-            raise ValueError(f"eval.also_blocks={list(e.also_blocks)}: {k} is not in 2..{dflash.block_size} (the eval's K)")
+            raise ValueError(
+                f"eval.also_blocks={list(e.also_blocks)}: {k} is not in 2..{dflash.block_size} (the eval's K)"
+            )
         # The same drafter at a narrower width: what a server running a wide drafter at K=16 gets.
         drafts.append(dataclasses.replace(dflash, name=f"dflash@{int(k)}", block_size=int(k)))
     if export_dir is not None and e.fullvocab and dflash.proposer.vocab is not None:
@@ -318,7 +321,7 @@ def final_eval(cfg, trainer, tokenizer, rows: list[dict], export_dir: Path | Non
     summary["verdict"] = verdict
     table = format_comparison(reports) + "\n\n" + verdict
     atomic_write_text(out / "table.md", table + "\n\n" + format_table(reports["dflash"]) + "\n")
-    atomic_write_text(out / "eval.json", json.dumps(summary, indent=1))
+    atomic_write_text(out / "eval.json", strict_dumps(summary, indent=1))
     print(table, flush=True)
     trainer.push()
     log.info("eval written to %s (eval.json, table.md, acceptance.png) in %.1f min", out, summary["wall_s"] / 60)
