@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import re
 import sys
 import time
 from pathlib import Path
@@ -541,7 +542,8 @@ def parse_args(argv=None):
         "lookuptree:FILE (a draft tree grown from both lookups; lookuptreeN:FILE: N nodes; lookuptreeauto:FILE: "
         "its size chosen at start-up from measured costs) | random | "
         "a drafter directory | hybrid:SPEC | adaptive:SPEC | tree:DIR (or treeN:DIR, "
-        "a draft tree of N nodes) | fullvocab:DIR (ignore the directory's draft_vocab.json), optionally SPEC@K; "
+        "a draft tree of N nodes) | fullvocab:DIR (ignore the directory's draft_vocab.json), optionally SPEC@K, "
+        "optionally NAME=SPEC to name its row; "
         "repeat to compare several in one interleaved run (one plain baseline)",
     )
     ap.add_argument(
@@ -603,16 +605,24 @@ def compare_specs(drafter_dir: str) -> list[str]:
 
 
 def _drafts(specs: list[str], target_cfg, block: int | None, seed: int):
-    """Draft objects for --draft values (SPEC or SPEC@K), with distinct names: a second drafter directory is
-    named by its directory, its prefixes kept (fullvocab:DIR is fullvocab-DIRNAME)."""
+    """Draft objects for --draft values (NAME=SPEC or SPEC, each optionally @K), with distinct names: NAME names
+    the row; else a second drafter directory is named by its directory, its prefixes kept (fullvocab:DIR is
+    fullvocab-DIRNAME), and by its K too where that is what differs."""
     out = []
-    for spec in specs:
-        spec, _, k = spec.partition("@")
+    for given in specs:
+        label, eq, rest = given.partition("=")
+        if not eq or not re.fullmatch(r"[\w.+-]+", label):
+            label, rest = "", given
+        spec, _, k = rest.partition("@")
         d = load_draft_spec(spec, target_cfg, int(k) if k else block, seed=seed)
-        if any(o.name == d.name for o in out):
+        if label:
+            d = dataclasses.replace(d, name=label)
+        elif any(o.name == d.name for o in out):
             dir_name = Path(spec.rsplit(":", 1)[-1]).name
             name = d.name.replace("dflash", dir_name) if "dflash" in d.name else f"{d.name}-{dir_name}"
-            d = dataclasses.replace(d, name=name)
+            d = dataclasses.replace(d, name=name if all(o.name != name for o in out) else f"{name}@{d.block_size}")
+        if any(o.name == d.name for o in out):
+            raise ValueError(f"--draft {given!r}: a second row named {d.name!r}; name it with NAME=SPEC")
         out.append(d)
     return out
 

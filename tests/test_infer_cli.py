@@ -214,6 +214,14 @@ def test_shipped_drafter_loads_with_its_draft_vocabulary_unless_fullvocab():
     other = str(REPO / "drafters" / "smollm2-135m-dflash" / ".." / "smollm2-135m-dflash")
     names = [d.name for d in ev._drafts([shipped, "fullvocab:" + shipped, other, "fullvocab:" + other], cfg, None, 0)]
     assert names == ["dflash", "fullvocab-dflash", "smollm2-135m-dflash", "fullvocab-smollm2-135m-dflash"]
+    # One directory at several K: the third is named by its K; NAME=SPEC names a row; a name twice is refused.
+    names = [
+        d.name for d in ev._drafts([shipped + "@8", shipped + "@4", shipped, "start=" + shipped + "@2"], cfg, None, 0)
+    ]
+    assert names == ["dflash", "smollm2-135m-dflash", "smollm2-135m-dflash@16", "start"]
+    assert [d.block_size for d in ev._drafts(["a=" + shipped + "@4"], cfg, None, 0)] == [4]
+    with pytest.raises(ValueError, match="a second row named 'x'"):
+        ev._drafts(["x=" + shipped, "x=ngram"], cfg, None, 0)
 
 
 @pytest.mark.parametrize("bad", ["999999", "-1"])
