@@ -1,0 +1,251 @@
+"""Does training wider pay? From one start and one data set, train drafters at K_train = 16, 32, 64 and 128 for
+equal wall-clock, then decode each at every K_infer <= K_train on long generations.
+
+  .venv/bin/python benchmarks/wide_blocks.py [--out docs/results/wide-blocks] [--runs runs/wide-blocks]
+      [--train-minutes 5] [--sets gsm8k,humaneval,mtbench] [--limit 10] [--max-new-tokens 512]
+      [--k-infer 8,16,32,64,128] [--arms ft16,ft32,ft64,ft128,scratch16,scratch64]
+
+Arms: `ftK` widens (or keeps) the shipped K=16 drafter (drafters/smollm2-135m-dflash) at K_train = K; `scratchK`
+trains the same architecture from a random start (the pair that says whether the answer depends on the start).
+Every arm reads the same rows in the same order (RUNS/train.jsonl, mixed once from committed reply files: code
+completions, math word problems, ShareGPT) and drafts the same number of positions a step (num_anchors = 2048 / K,
+so a step's drafter and cross-entropy work is about equal across K); each arm's step count is its wall-clock budget
+over its own step time, measured in a short calibration run first. Each arm uses its K's default loss decay
+(train.objective.default_gamma: the paper's 7 at K=16, grown with K). Decoding is infer.eval's engine (greedy,
+lossless-checked), one call per set with every arm at every K_infer, the shipped drafter and n-gram beside them.
+
+Resumable: the mix, each calibration, each training run (the trainer resumes from its checkpoints) and each set's
+eval are skipped when their output is already on disk. Writes OUT/study.json (the tau matrices, survival, projected
+speedup, training budgets), OUT/table.md and OUT/survival.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from dflash_model.files import atomic_write_text  # noqa: E402
+from train.objective import default_gamma  # noqa: E402
+
+SHIPPED = "drafters/smollm2-135m-dflash"
+POSITIONS_PER_STEP = 2048  # drafted positions a step, whatever K: num_anchors = POSITIONS_PER_STEP / K
+CALIBRATION_STEPS = 5
+REPLIES = {  # committed target replies (greedy, SmolLM2-135M-Instruct): file, lines taken
+    "code": ("docs/results/gpu-burst-4/regen_gpu.jsonl.gz", 1200),
+    "math": ("docs/results/gpu-burst-3/regen_gpu.jsonl.gz", 500),
+    "chat": ("docs/results/gpu-burst/regen_gpu.jsonl.gz", 300),
+}
+
+
+def arm_k(arm: str) -> int:
+    return int(arm.removeprefix("ft").removeprefix("scratch"))
+
+
+def run(cmd: list[str], log: Path) -> None:
+    """Run a step of the study, its output teed to a log; a failure stops the study naming the log."""
+    print("+", " ".join(cmd), flush=True)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("a") as f:
+        proc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
+    if proc.returncode:
+        raise SystemExit(f"{cmd[1]} failed (exit {proc.returncode}); see {log}")
+
+
+def mix(runs: Path) -> Path:
+    out = runs / "train.jsonl"
+    if not out.exists():
+        parts = [f"{f}:seed=7:take={n}" for f, n in REPLIES.values()]
+        run([sys.executable, "-m", "data.mix", str(out), *parts, "--seed", "0"], runs / "mix.log")
+    return out
+
+
+def train_overrides(arm: str, data: Path) -> list[str]:
+    k = arm_k(arm)
+    start = [f"drafter.init={SHIPPED}", "drafter.init_vocab=true"] if arm.startswith("ft") else [
+        "drafter.init=null", "drafter.init_vocab=false", "train.lr=6.0e-4",
+    ]  # fmt: skip
+    return [
+        "--config", "smollm2-135m", "--block", str(k), f"data.source={data}", f"num_anchors={POSITIONS_PER_STEP // k}",
+        "gamma=null", "train.max_len=512", "eval.enabled=false", "log.every=10", "checkpoint.every_steps=50", *start,
+    ]  # fmt: skip
+
+
+def step_seconds(run_dir: Path) -> float:
+    """Median seconds of a step past the first (which compiles), from a run's metrics.jsonl."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    times = [r["step_s"] for r in rows if "step_s" in r and r["step"] > 1]
+    if not times:
+        raise SystemExit(f"{run_dir}/metrics.jsonl: no timed step past the first")
+    return statistics.median(times)
+
+
+def train_arm(arm: str, data: Path, runs: Path, budget_s: float) -> dict:
+    """Calibrate, then train one arm for budget_s of steps; its export directory and what it saw."""
+    cal = runs / f"cal-{arm}"
+    if not (cal / "metrics.jsonl").exists() or step_seconds(cal) <= 0:
+        cmd = [sys.executable, "train/run.py", *train_overrides(arm, data), f"train.steps={CALIBRATION_STEPS}",
+               f"run_dir={cal}", "export.enabled=false"]  # fmt: skip
+        run(cmd, runs / f"cal-{arm}.log")
+    s_step = step_seconds(cal)
+    steps = max(1, int(budget_s / s_step))
+    out = runs / arm
+    export = out / "export"
+    if not (export / "config.json").exists():
+        cmd = [sys.executable, "train/run.py", *train_overrides(arm, data), f"train.steps={steps}", f"run_dir={out}"]
+        run(cmd, runs / f"{arm}.log")
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    k = arm_k(arm)
+    return {
+        "arm": arm,
+        "k_train": k,
+        "start": "shipped K=16 drafter" if arm.startswith("ft") else "random",
+        "gamma": default_gamma(k),
+        "num_anchors": POSITIONS_PER_STEP // k,
+        "calibrated_step_s": s_step,
+        "steps": len(rows),
+        "train_s": sum(r["step_s"] for r in rows),
+        "blocks": round(sum(r["anchors_per_s"] * r["step_s"] for r in rows)),
+        "labelled_positions": sum(r["valid_labels"] for r in rows),
+        "final_loss": rows[-1]["loss"],
+        "export": str(export),
+    }
+
+
+def widths(k_infer: list[str], k_train: int) -> list[int]:
+    """The K_infer a drafter trained at k_train is decoded at: the listed ones up to k_train, `own` = k_train."""
+    ks = {k_train if k == "own" else int(k) for k in k_infer}
+    return sorted(k for k in ks if k <= k_train)
+
+
+def eval_set(name: str, arms: list[dict], k_infer: list[str], args, out: Path) -> dict:
+    """One infer.eval call for a set: every arm at every K_infer <= its K_train, the shipped drafter, n-gram."""
+    dest = out / f"eval-{name}"
+    if not (dest / "eval.json").exists():
+        drafts = [f"shipped@{k}={SHIPPED}@{k}" for k in widths(k_infer, 16)]
+        drafts += [f"{a['arm']}@{k}={a['export']}@{k}" for a in arms for k in widths(k_infer, a["k_train"])]
+        cmd = [sys.executable, "-m", "infer.eval", "--target", "smollm2", "--dataset", name, "--limit",
+               str(args.limit), "--max-new-tokens", str(args.max_new_tokens), "--out", str(dest), "--no-progress",
+               "--draft", "ngram@16", *(x for d in drafts for x in ("--draft", d))]  # fmt: skip
+        run(cmd, out / f"eval-{name}.log")
+    return json.loads((dest / "eval.json").read_text())
+
+
+def _cell(rep: dict) -> dict:
+    return {
+        "tau": rep.get("tau"),
+        "tau_per_prompt": rep.get("tau_per_prompt"),
+        "survival": rep.get("survival", rep.get("acceptance_unconditional")),
+        "acceptance_conditional": rep.get("acceptance_conditional"),
+        "projected_speedup": rep.get("projected_speedup", {}),
+        "speedup_measured_cpu": rep.get("speedup"),
+        "lossless": rep.get("prompts", 0) - rep.get("lossless_mismatches", 0),
+        "prompts": rep.get("prompts"),
+    }
+
+
+def matrices(evals: dict[str, dict]) -> dict:
+    """{set: {row: {K_infer: cell}}} from each set's reports, whose rows are named ROW@K (n-gram as ngram)."""
+    out = {}
+    for name, ev in evals.items():
+        rows: dict[str, dict] = {}
+        for label, rep in ev["reports"].items():
+            row, _, k = label.partition("@")
+            rows.setdefault(row, {})[int(k or rep["block_size"])] = _cell(rep)
+        out[name] = rows
+    return out
+
+
+def _fmt(x, digits=2) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+def format_tables(mats: dict, arms: list[dict]) -> str:
+    lines = []
+    k_infer = sorted({k for rows in mats.values() for cells in rows.values() for k in cells})
+    for name, rows in mats.items():
+        lines += [f"### {name}: tau (projected v5p speedup), by K_train (rows) and K_infer (columns)", "",
+                  "| drafter | " + " | ".join(f"K_infer={k}" for k in k_infer) + " |",
+                  "|---|" + "---:|" * len(k_infer)]  # fmt: skip
+        for row, cells in rows.items():
+            vals = []
+            for k in k_infer:
+                c = cells.get(k)
+                proj = (c or {}).get("projected_speedup", {}).get("tpu-v5p") if c else None
+                vals.append("" if c is None else f"{_fmt(c['tau'], 3)} ({_fmt(proj)}x)")
+            lines.append(f"| {row} | " + " | ".join(vals) + " |")
+        lines.append("")
+    lines += ["### training budgets", "", "| arm | K_train | start | gamma | anchors/row | steps | train s | blocks | "
+              "labelled positions | final loss |", "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for a in arms:
+        lines.append(
+            f"| {a['arm']} | {a['k_train']} | {a['start']} | {a['gamma']} | {a['num_anchors']} | {a['steps']} | "
+            f"{a['train_s']:.0f} | {a['blocks']} | {a['labelled_positions']} | {a['final_loss']:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+def plot_survival(mats: dict, path: Path) -> None:
+    """Per set, survival against position: every row at K_infer = 16 (left) and at its own widest K (right)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(mats), 2, figsize=(12, 3.6 * len(mats)), squeeze=False)
+    for (name, rows), (left, right) in zip(mats.items(), axes):
+        for row, cells in rows.items():
+            for ax, k in ((left, 16), (right, max(cells))):
+                c = cells.get(k)
+                if c and c["survival"]:
+                    s = [math.nan if v is None else v for v in c["survival"]]
+                    ax.plot(range(1, len(s) + 1), s, label=f"{row} (K={k}, tau {_fmt(c['tau'])})")
+        left.set_title(f"{name}: survival at K_infer = 16")
+        right.set_title(f"{name}: survival at each drafter's own K")
+        for ax in (left, right):
+            ax.set_xlabel("draft position j")
+            ax.set_ylabel("P(>= j drafts accepted)")
+            ax.set_yscale("log")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="docs/results/wide-blocks", help="study.json, table.md, survival.png")
+    ap.add_argument("--runs", default="runs/wide-blocks", help="training runs and the data mix")
+    ap.add_argument("--train-minutes", type=float, default=5.0, help="wall-clock of steps per arm (default 5)")
+    ap.add_argument("--sets", default="gsm8k,humaneval,mtbench")
+    ap.add_argument("--limit", type=int, default=10, help="prompts per set (default 10)")
+    ap.add_argument("--max-new-tokens", type=int, default=512)
+    ap.add_argument("--k-infer", default="8,16,32,64,128", help="K_infer list; `own` = each drafter's K_train")
+    ap.add_argument("--arms", default="ft16,ft32,ft64,ft128,scratch16,scratch64")
+    args = ap.parse_args(argv)
+    out, runs = ROOT / args.out, ROOT / args.runs
+    out.mkdir(parents=True, exist_ok=True)
+    k_infer = args.k_infer.split(",")
+    data = mix(runs)
+    arms = [train_arm(a, data, runs, args.train_minutes * 60) for a in args.arms.split(",")]
+    evals = {s: eval_set(s, arms, k_infer, args, out) for s in args.sets.split(",")}
+    mats = matrices(evals)
+    study = {"settings": vars(args), "positions_per_step": POSITIONS_PER_STEP, "arms": arms, "matrices": mats}
+    atomic_write_text(out / "study.json", json.dumps(study, indent=1, allow_nan=False))
+    table = format_tables(mats, arms)
+    atomic_write_text(out / "table.md", table + "\n")
+    plot_survival(mats, out / "survival.png")
+    print(table)
+    return study
+
+
+if __name__ == "__main__":
+    main()
