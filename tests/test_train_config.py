@@ -1,6 +1,8 @@
-"""Training config: presets load, unknown keys are rejected by name, overrides are typed, --block sets K."""
+"""Training config: presets load, unknown keys are rejected by name, overrides are typed, --block sets K and
+picks a preset's per-K settings."""
 
 import pytest
+from conftest import REPO
 
 from train.config import ConfigKeyError, cli_overrides, load_config, parse_value
 
@@ -116,3 +118,48 @@ def test_flag_without_value_is_refused():
     for argv in (["--config"], ["--block"], ["--config", "--block", "8"]):
         with pytest.raises(ValueError, match="needs a value"):
             cli_overrides(argv)
+
+
+def _with_blocks(tmp_path, blocks: str):
+    """A preset over tiny.yml (block_size 8, num_anchors 6, batch 8) carrying a `blocks:` mapping."""
+    path = tmp_path / "wide.yml"
+    path.write_text(f"base: {REPO / 'configs' / 'tiny.yml'}\nblocks:\n{blocks}")
+    return path
+
+
+def test_block_preset_applies_at_its_k_only(tmp_path):
+    path = _with_blocks(tmp_path, "  16:\n    num_anchors: 3\n    train: {batch_size: 4}\n")
+    at_8, at_16 = load_config(path), load_config(path, ["block_size=16"])
+    assert (at_8.block_size, at_8.num_anchors, at_8.train.batch_size) == (8, 6, 8)
+    assert (at_16.block_size, at_16.num_anchors, at_16.train.batch_size) == (16, 3, 4)
+    assert at_16.train.lr == at_8.train.lr  # siblings of a per-K key keep the preset's values
+    # The command line beats the per-K value, whether it names the key or the entry.
+    assert load_config(path, ["block_size=16", "num_anchors=5"]).num_anchors == 5
+    by_entry = load_config(path, ["block_size=16", "blocks.16.num_anchors=7"])
+    assert by_entry.num_anchors == 7 and by_entry.train.batch_size == 4 and list(by_entry.blocks) == [16]
+
+
+@pytest.mark.parametrize(
+    "blocks, error, message",
+    [
+        ("  16: {num_anchor: 3}\n", ConfigKeyError, r"'blocks\.16\.num_anchor'.*did you mean blocks\.16\.num_anchors"),
+        ("  16: {train: {batch_siz: 3}}\n", ConfigKeyError, r"'blocks\.16\.train\.batch_siz'"),
+        ("  16: {block_size: 32}\n", ConfigKeyError, r"'blocks\.16\.block_size'.*cannot set block_size"),
+        ("  wide: {num_anchors: 3}\n", ValueError, r"blocks\.wide: a blocks key is a block size"),
+        ("  16: 3\n", ValueError, r"blocks\.16=3: expected a mapping"),
+        ("  16: {num_anchors: 0}\n", ValueError, r"blocks\.16: num_anchors=0: must be >= 1"),
+        ("  128: {num_anchors: 3}\n", ValueError, r"blocks\.128: block_size=128 exceeds train\.max_len=64"),
+    ],
+)
+def test_block_preset_is_checked_at_every_k(tmp_path, blocks, error, message):
+    """A bad entry is refused, naming it, by a run at any K: the preset's own K=8 here."""
+    with pytest.raises(error, match=message):
+        load_config(_with_blocks(tmp_path, blocks))
+
+
+@pytest.mark.parametrize("name", ["qwen3-8b", "llama-3.1-8b"])
+def test_8b_recipes_ship_a_k128_preset(name):
+    """`--block 128` of the 8B recipes trains 64 anchors (64 x 128 = 512 x 16 block positions); other K keep 512."""
+    assert load_config(*cli_overrides(["--config", name, "--block", "128"])).num_anchors == 64
+    assert load_config(*cli_overrides(["--config", name, "--block", "16"])).num_anchors == 512
+    assert load_config(*cli_overrides(["--config", name, "--block", "128", "num_anchors=32"])).num_anchors == 32
