@@ -15,8 +15,8 @@ What it runs (each step resumes: regenerated data, checkpoints and finished eval
      `run_comparison` (lossless check included). Writes <out>/eval-<dataset>.json, <out>/table.md and
      <out>/acceptance-<dataset>.png, plus <out>/train.json with each run's wall time and final metrics.
 
-Scales: `full` is the long results run (many hours on a 2-core CPU; resumable across sessions); `short` is the
-one that fits a working session (~1.5 h) and gives the README's table; `quick` checks the recipe end to end in
+Scales: `full` is the long results run (many hours on a 2-core CPU; resumable across runs); `short` is the
+one that takes about 1.5 h and gives docs/results/recipe-short/; `quick` checks the recipe end to end in
 minutes (numbers meaningless).
 """
 
@@ -38,7 +38,7 @@ SCALES = {
     # limit: conversations read (the default run reads 216); steps x batch x anchors: the training budget.
     # heldout: conversations kept out of training (the recipe evaluates on other datasets, so 0 is fine).
     "full": {"limit": 1216, "heldout": 0, "steps": 600, "batch": 2, "anchors": 16, "prompts": 10, "new_tokens": 256},
-    # One session's worth (~1.6 h on 2 cores): 308 replies, 300 steps of one sequence, 3 prompts per dataset.
+    # About 1.6 h on 2 cores: 308 replies, 300 steps of one sequence, 3 prompts per dataset.
     "short": {"limit": 400, "heldout": 0, "steps": 300, "batch": 1, "anchors": 16, "prompts": 3, "new_tokens": 256},
     "quick": {"limit": 216, "heldout": 16, "steps": 4, "batch": 2, "anchors": 4, "prompts": 1, "new_tokens": 16},
 }

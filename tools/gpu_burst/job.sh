@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# The one-shot GPU job, run in the repository root of a lent device machine once .dev/a, .dev/b and .dev/c
-# (tools/gpu_burst/pack.py) are there (one carried per call: tools/gpu_burst/README.md):
+# The one-shot GPU job, run in the repository root of a GPU machine once .dev/a, .dev/b and .dev/c
+# (tools/gpu_burst/pack.py) are there (one copied over per transfer: tools/gpu_burst/README.md):
 #   TOTAL_S=555 REGEN_S=170 bash tools/gpu_burst/job.sh
 # 1. regenerates the target's greedy replies to the packed ShareGPT prompts (fp32, highest matmul precision, so
 #    they are the CPU's greedy replies but for rare near-ties), for at most REGEN_S seconds (then SIGINT; SIGKILL
-#    30 s later, since an XLA compile does not see the SIGINT: session 28's ran 13 s over);
-# 2. continues the shipped drafter on those replies and the CPU-regenerated ones (configs/smollm2-135m-gpu.yml)
+#    30 s later, since an XLA compile does not see the SIGINT: the first run's ran 13 s over);
+# 2. continues the shipped drafter on those replies and the CPU-regenerated ones (drafters/smollm2-135m-dflash/recipe/gpu.yml)
 #    until TOTAL_S seconds after the start, then exports it;
 # 3. leaves in $OUT: the new replies, the export (split in 15 MB parts: a returned file is at most 16 MiB), the
 #    run's config, metrics and summary, and this log.
@@ -39,7 +39,7 @@ $py -c "from train.regenerate import read_done; print(len(read_done('$w/regen_gp
 gzip -c "$w/regen_gpu.jsonl" > "$OUT/regen_gpu.jsonl.gz"
 { zcat .dev/c/replies_prev.jsonl.gz; cat "$w/regen_gpu.jsonl"; } > "$w/train.jsonl"
 run=runs/smollm2-135m-gpu-b16
-$py tools/gpu_burst/train_budget.py --deadline $(( t0 + TOTAL_S )) --config smollm2-135m-gpu \
+$py tools/gpu_burst/train_budget.py --deadline $(( t0 + TOTAL_S )) --config drafters/smollm2-135m-dflash/recipe/gpu.yml \
   "data.source=$w/train.jsonl" "run_dir=$run" drafter.init=.dev/b/drafter ${TRAIN_ARGS:-}
 echo "[$(( $(date +%s) - t0 )) s] training ended"
 if [ -f "$run/export/model.safetensors" ]; then

@@ -93,7 +93,7 @@ def main() -> None:
     def found(pattern: str) -> list[str]:  # the committed reply files matching pattern, by directory name
         return [str(p) for p in sorted(results.glob(pattern), key=lambda p: p.parent.name)]
 
-    # every lease's and every CPU regeneration's replies (gpu-burst, gpu-burst-2, ...; code-cpu, code-cpu-2, ...),
+    # every GPU run's and every CPU regeneration's replies (gpu-burst, gpu-burst-2, ...; code-cpu, code-cpu-2, ...),
     # found rather than listed, so a new one counts as answered without an edit here
     committed = [
         *found("gpu-burst*/regen_gpu.jsonl.gz"),

@@ -1,7 +1,7 @@
 """Train a config to a wall-clock deadline, then export: `python tools/gpu_burst/train_budget.py --deadline UNIX_TIME
 --config NAME [key=value ...]`.
 
-A device machine is lent for minutes, and a step's time on it is unknown until it runs. So: train `--probe` steps
+A GPU machine is reached for minutes, and a step's time on it is unknown until it runs. So: train `--probe` steps
 (the first compiles), take the median step time, and set the cosine schedule's length to the steps that fit before
 the deadline less one more compile (the schedule is a compile-time constant of the step: the new length compiles
 once). A timer sends SIGTERM shortly before the deadline in case the fit was optimistic: the trainer then stops at the
