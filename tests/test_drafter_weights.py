@@ -358,18 +358,25 @@ def test_continued_training_can_keep_the_init_drafters_vocabulary(tmp_path):
 
     shipped = Path(__file__).resolve().parents[1] / "drafters" / "smollm2-135m-dflash"
     want = json.loads((shipped / "draft_vocab.json").read_text())["token_ids"]
-    cfg = load_config("smollm2-135m-regen", [f"drafter.init={shipped}", "drafter.init_vocab=true"])
+    cfg = load_config(
+        "drafters/smollm2-135m-dflash/recipe/regen.yml", [f"drafter.init={shipped}", "drafter.init_vocab=true"]
+    )
     assert cfg.draft_vocab == len(want) == 8192
     got = init_draft_vocab(cfg, 49152)
     assert got.dtype == np.int32 and got.tolist() == want
-    small = load_config("smollm2-135m-regen", [f"drafter.init={shipped}", "draft_vocab=4096"])
+    small = load_config(
+        "drafters/smollm2-135m-dflash/recipe/regen.yml", [f"drafter.init={shipped}", "draft_vocab=4096"]
+    )
     with pytest.raises(ValueError, match="holds 8192 tokens, draft_vocab=4096"):
         init_draft_vocab(small, 49152)
-    empty = load_config("smollm2-135m-regen", [f"drafter.init={tmp_path}"])
+    empty = load_config("drafters/smollm2-135m-dflash/recipe/regen.yml", [f"drafter.init={tmp_path}"])
     with pytest.raises(ValueError, match="draft_vocab.json does not exist"):
         init_draft_vocab(empty, 49152)
     # Refused when the config is read, before a target loads: an init that is not a directory, no draft_vocab.
     with pytest.raises(ValueError, match="needs drafter.init to be a drafter directory, not 'copy'"):
         load_config("smollm2-135m", ["drafter.init_vocab=true"])
     with pytest.raises(ValueError, match=r"needs draft_vocab \(the size of the saved vocabulary\)"):
-        load_config("smollm2-135m-regen", [f"drafter.init={shipped}", "drafter.init_vocab=true", "draft_vocab=null"])
+        load_config(
+            "drafters/smollm2-135m-dflash/recipe/regen.yml",
+            [f"drafter.init={shipped}", "drafter.init_vocab=true", "draft_vocab=null"],
+        )

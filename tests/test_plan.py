@@ -100,5 +100,5 @@ def test_dry_run_command():
 def test_a_gguf_asset_target_plans_with_its_own_architecture():
     """The SmolLM2 configs name their target as a GGUF asset and no preset: the dry run reads the architecture from
     the file's metadata (it failed with 'unknown target preset None' before), the same as the preset's."""
-    p = plan(load_config("smollm2-135m-long"), parse_pod("1"))
+    p = plan(load_config("drafters/smollm2-135m-dflash/recipe/long.yml"), parse_pod("1"))
     assert p["bytes_per_device"]["target_params"] == pytest.approx(preset("smollm2-135m").num_params() * 4, rel=1e-3)

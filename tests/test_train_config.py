@@ -11,10 +11,10 @@ from train.config import ConfigKeyError, cli_overrides, load_config, parse_value
     "name",
     [
         "smollm2-135m",
-        "smollm2-135m-long",
-        "smollm2-135m-regen",
-        "smollm2-135m-more",
-        "smollm2-135m-grow",
+        "drafters/smollm2-135m-dflash/recipe/long.yml",
+        "drafters/smollm2-135m-dflash/recipe/regen.yml",
+        "drafters/smollm2-135m-dflash/recipe/more.yml",
+        "drafters/smollm2-135m-dflash/recipe/grow.yml",
         "qwen3-4b",
         "qwen3-8b",
         "llama-3.1-8b",
@@ -28,20 +28,26 @@ def test_presets_load(name):
 
 
 def test_smollm2_default_is_k64():
+    """The main job widens the shipped K=16 drafter to K=64 over every slot: no slot-1 shortcut, no copy circuit,
+    the shipped drafter's own layers and draft vocabulary, and an eval of at least 12 held-out prompts with the
+    new drafter also served at K=16."""
     cfg = load_config("smollm2-135m")
-    assert cfg.block_size == 64 and cfg.target.path == "asset:smollm2" and cfg.gamma == 5.0
-    assert cfg.draft_vocab == 4096 and cfg.eval.shipped == "drafters/smollm2-135m-dflash"
-    # The default run trains slot 1 alone (its copy-circuit start); the long recipe that inherits it, every slot.
-    assert cfg.drafter.init == "copy" and cfg.loss_positions == 1
-    assert load_config("smollm2-135m-long").loss_positions is None
-    assert load_config("smollm2-135m-regen").loss_positions is None
+    assert cfg.block_size == 64 and cfg.target.path == "asset:smollm2" and cfg.loss_positions is None
+    assert cfg.drafter.init == "drafters/smollm2-135m-dflash" == cfg.eval.shipped and cfg.drafter.init_vocab
+    assert cfg.draft_vocab == 8192 and cfg.drafter.num_layers == 4
+    assert cfg.eval.num_prompts >= 12 and list(cfg.eval.also_blocks) == [16]
+    # The shipped drafter's recipe no longer inherits the main job's config: its first stage still starts from
+    # the copy circuit and trains every slot.
+    long = load_config("drafters/smollm2-135m-dflash/recipe/long.yml")
+    assert long.drafter.init == "copy" and long.loss_positions is None and long.gamma == 5.0
+    assert load_config("drafters/smollm2-135m-dflash/recipe/regen.yml").loss_positions is None
 
 
 def test_grow_recipe_new_layers_are_the_fast_ones():
     """The grow recipe's new layers (null in drafter.init_layers) are exactly the ones train.lr_ratio speeds up."""
     from train.step import lr_ratio_of
 
-    cfg = load_config("smollm2-135m-grow")
+    cfg = load_config("drafters/smollm2-135m-dflash/recipe/grow.yml")
     layers = list(cfg.drafter.init_layers)
     assert len(layers) == cfg.drafter.num_layers == len(cfg.drafter.layer_types)
     ratios = dict(cfg.train.lr_ratio)

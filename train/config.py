@@ -38,7 +38,8 @@ class Config(dict):
 
 def _find(name_or_path: str | Path) -> Path:
     p = Path(name_or_path)
-    for cand in (p, CONFIG_DIR / p, CONFIG_DIR / f"{p}.yml"):
+    # CONFIG_DIR.parent: a recipe kept beside its drafter (drafters/NAME/recipe/STAGE.yml) from any directory
+    for cand in (p, CONFIG_DIR / p, CONFIG_DIR / f"{p}.yml", CONFIG_DIR.parent / p):
         if cand.is_file():
             return cand
     known = sorted(q.stem for q in CONFIG_DIR.glob("*.yml"))
