@@ -38,12 +38,12 @@ from data.conversations import iter_jsonl
 from dflash_model.cli import run_main
 from dflash_model.files import atomic_write_text, local_dir, push, run_path
 from dflash_model.tokenizer import chat_prompt_ids, stop_token_ids
-from infer.loading import NGRAM_BLOCK, at_least, check_prompt_ids, load_draft_spec, load_target_spec
+from infer.loading import NGRAM_BLOCK, at_least, check_prompt_ids, fit_prompts, load_draft_spec, load_target_spec
 from infer.metrics import conditional_acceptance, strict_dumps, survival, tau_per_prompt, tau_pooled
 from infer.plain import bucket_length
 from infer.projection import HEADLINE_PROFILE, Profile, available_profiles, load_profiles, project
 from infer.proposers import Stateless
-from infer.spec import Engine
+from infer.spec import MAX_BLOCK, Engine, check_positions
 
 DATASETS = ("humaneval", "gsm8k", "mtbench")
 TAU_NOTE = (
@@ -76,7 +76,7 @@ def dataset_messages(name: str, limit: int | None = None) -> list[dict]:
     else:
         path = Path(name)
         if not path.is_file():
-            raise SystemExit(f"--dataset {name!r}: expected one of {DATASETS} or a .jsonl file")
+            raise ValueError(f"--dataset {name!r}: expected one of {DATASETS} or a .jsonl file")
         rows = []
         for lineno, r in iter_jsonl(path):
             rid = r.get("id", f"{path.stem}/{lineno - 1}")
@@ -87,7 +87,7 @@ def dataset_messages(name: str, limit: int | None = None) -> list[dict]:
             else:
                 text = r.get("prompt", r.get("question", (r.get("turns") or [None])[0]))
                 if text is None:
-                    raise SystemExit(f"{path}:{lineno}: no prompt_ids, prompt, question, turns or messages")
+                    raise ValueError(f"{path}:{lineno}: no prompt_ids, prompt, question, turns or messages")
                 rows.append({"id": rid, "text": text})
     return rows if limit is None else rows[:limit]
 
@@ -99,7 +99,7 @@ def encode(rows: list[dict], tokenizer) -> list[list[int]]:
             out.append(r["prompt_ids"])
             continue
         if tokenizer is None:
-            raise SystemExit("this target has no tokenizer: the dataset must give prompt_ids")
+            raise ValueError("this target has no tokenizer: the dataset must give prompt_ids")
         out.append(chat_prompt_ids(tokenizer, r.get("messages", r.get("text")), thinking=False))
     return out
 
@@ -185,6 +185,8 @@ def run_comparison(
     overhead: also time every fixed-width engine's forwards alone (`Engine.calibrate`, a few compiles more) for
     the loop-overhead ratio; adaptive engines and those choosing their tree size are always calibrated (they choose
     from those costs). profiles: the accelerator profiles to project speedups on (default: every committed one)."""
+    if not prompts:
+        raise ValueError("no prompts to decode")
     projection_profiles = load_profiles(profiles)
     names = [d.name for d in drafts]
     if len(set(names)) != len(names):
@@ -558,7 +560,15 @@ def parse_args(argv=None):
     ap.add_argument("--dataset", required=True, help="humaneval, gsm8k, mtbench or a .jsonl file")
     ap.add_argument("--limit", type=at_least(1), default=None, help="the first N prompts (default: all)")
     ap.add_argument("--max-new-tokens", type=at_least(1), required=True)
-    ap.add_argument("--block", type=at_least(2), default=None, help="block size K (default: each drafter's own)")
+    ap.add_argument(
+        "--block", type=at_least(2, MAX_BLOCK), default=None, help="block size K (default: each drafter's own)"
+    )
+    ap.add_argument(
+        "--truncate-prompts",
+        action="store_true",
+        help="cut a prompt too long for the target's positions (with --max-new-tokens and K) to its last tokens "
+        "that fit, said on stderr and in eval.json (default: refused)",
+    )
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
     ap.add_argument("--seed", type=int, default=0, help="init seed of --draft random")
     ap.add_argument("--out", required=True)
@@ -573,6 +583,8 @@ def parse_args(argv=None):
         "tau_per_prompt is reported beside it",
     )
     args = ap.parse_args(argv)
+    if args.compare and not (Path(args.compare) / "config.json").is_file():
+        ap.error(f"argument --compare: {args.compare!r} is not a drafter directory (no config.json in it)")
     if args.compare:
         args.draft = (args.draft or []) + compare_specs(args.compare)
     if not args.draft:
@@ -613,7 +625,9 @@ def _drafts(specs: list[str], target_cfg, block: int | None, seed: int):
         label, eq, rest = given.partition("=")
         if not eq or not re.fullmatch(r"[\w.+-]+", label):
             label, rest = "", given
-        spec, _, k = rest.partition("@")
+        spec, at, k = rest.partition("@")
+        if at and not k.isdigit():
+            raise ValueError(f"--draft {given!r}: the block size after '@' must be a whole number, not {k!r}")
         d = load_draft_spec(spec, target_cfg, int(k) if k else block, seed=seed)
         if label:
             d = dataclasses.replace(d, name=label)
@@ -627,13 +641,33 @@ def _drafts(specs: list[str], target_cfg, block: int | None, seed: int):
     return out
 
 
-def main(argv=None) -> dict:
-    args = parse_args(argv)
-    target = load_target_spec(args.target, args.dtype)
+def checked_inputs(args):
+    """(target, drafts, rows, prompts, prompts cut) with every input checked against the target's config before its
+    weights load: the lengths (max_new_tokens, K, each prompt against the target's positions), the token ids."""
+    target = load_target_spec(args.target, args.dtype, weights=False)
+    positions = target.config.max_position_embeddings
+    check_positions(1, args.max_new_tokens, args.block or 1, positions, "--max-new-tokens")
     drafts = _drafts(args.draft, target.config, args.block, args.seed)
     rows = dataset_messages(args.dataset, args.limit)
+    if not rows:
+        raise ValueError(f"--dataset {args.dataset}: no prompts in it")
     prompts = encode(rows, target.tokenizer)
-    check_prompt_ids(prompts, target.config, names=[f"--dataset {args.dataset}: prompt {r['id']}" for r in rows])
+    names = [f"--dataset {args.dataset}: prompt {r['id']}" for r in rows]
+    check_prompt_ids(prompts, target.config, names=names)
+    prompts, cut = fit_prompts(
+        prompts,
+        target.config,
+        max_new_tokens=args.max_new_tokens,
+        width=max(d.width for d in drafts),
+        names=names,
+        truncate=args.truncate_prompts,
+    )
+    return target.load_weights(), drafts, rows, prompts, cut
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    target, drafts, rows, prompts, cut = checked_inputs(args)
     stop_ids = ()
     if target.tokenizer is not None:
         stop_ids = stop_token_ids(target.tokenizer)
@@ -659,6 +693,7 @@ def main(argv=None) -> dict:
         "dtype": target.config.dtype,
         "tau_headline": "tau_pooled",
         "projection_profiles": {n: p.summary() for n, p in load_profiles(args.profiles).items()},
+        **({"truncated_prompts": cut} if cut else {}),
     }
     flips = _flips_against_fp32(args, target, prompts, reports, stop_ids)
     # One draft: its report is the file (with the run's facts); several: one table over all of them.

@@ -16,8 +16,8 @@ import sys
 
 from dflash_model.cli import run_main
 from dflash_model.tokenizer import chat_prompt_ids, stop_token_ids
-from infer.loading import at_least, check_prompt_ids, load_draft_spec, load_target_spec, non_negative
-from infer.spec import Engine
+from infer.loading import at_least, check_prompt_ids, fit_prompts, load_draft_spec, load_target_spec, non_negative
+from infer.spec import MAX_BLOCK, Engine, check_positions
 
 
 def parse_args(argv=None):
@@ -40,7 +40,15 @@ def parse_args(argv=None):
     src.add_argument("--prompt-ids", help="comma-separated prompt token ids (used as given)")
     ap.add_argument("--chat", action="store_true", help="wrap --prompt in the chat template (thinking off)")
     ap.add_argument("--max-new-tokens", type=at_least(1), required=True)
-    ap.add_argument("--block", type=at_least(2), default=None, help="block size K (default: the drafter's; ngram 8)")
+    ap.add_argument(
+        "--block", type=at_least(2, MAX_BLOCK), default=None, help="block size K (default: the drafter's; ngram 8)"
+    )
+    ap.add_argument(
+        "--truncate-prompt",
+        action="store_true",
+        help="cut a prompt too long for the target's positions (with --max-new-tokens and K) to its last tokens "
+        "that fit, said on stderr (default: refused)",
+    )
     ap.add_argument("--temperature", type=non_negative, default=0.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="target compute dtype")
@@ -56,22 +64,38 @@ def prompt_ids(args, tokenizer) -> list[int]:
         try:
             ids = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
         except ValueError as e:
-            raise SystemExit(f"--prompt-ids: expected comma-separated integers ({e})") from e
+            raise ValueError(f"--prompt-ids: expected comma-separated integers ({e})") from e
         if not ids:
-            raise SystemExit("--prompt-ids: empty")
+            raise ValueError("--prompt-ids: empty")
         return ids
     if tokenizer is None:
-        raise SystemExit("this target has no tokenizer: pass --prompt-ids")
+        raise ValueError("this target has no tokenizer: pass --prompt-ids")
     if args.chat:
         return chat_prompt_ids(tokenizer, args.prompt)
     return tokenizer(args.prompt, add_special_tokens=False)["input_ids"]
 
 
-def run(args) -> dict:
-    target = load_target_spec(args.target, args.dtype)
-    draft = load_draft_spec(args.draft, target.config, args.block, seed=args.seed)
+def checked_inputs(args):
+    """(target, draft, prompt ids), every input checked against the target's config before its weights load."""
+    target = load_target_spec(args.target, args.dtype, weights=False)
+    check_positions(1, args.max_new_tokens, args.block or 1, target.config.max_position_embeddings, "--max-new-tokens")
     ids = prompt_ids(args, target.tokenizer)
-    check_prompt_ids([ids], target.config, names=["--prompt-ids" if args.prompt_ids is not None else "--prompt"])
+    name = "--prompt-ids" if args.prompt_ids is not None else "--prompt"
+    check_prompt_ids([ids], target.config, names=[name])
+    draft = load_draft_spec(args.draft, target.config, args.block, seed=args.seed)
+    (ids,), _ = fit_prompts(
+        [ids],
+        target.config,
+        max_new_tokens=args.max_new_tokens,
+        width=draft.width,
+        names=[name],
+        truncate=args.truncate_prompt,
+    )
+    return target.load_weights(), draft, ids
+
+
+def run(args) -> dict:
+    target, draft, ids = checked_inputs(args)
     stop_ids = ()
     if target.tokenizer is not None:
         stop_ids = stop_token_ids(target.tokenizer)

@@ -15,10 +15,11 @@ from dflash_model import drafter_weights
 from dflash_model.config import PRESETS
 from dflash_model.drafter import DRAFTER_PRESETS, build_drafter, drafter_config_for
 from dflash_model.tokenizer import load_tokenizer
-from dflash_model.weights import load_target
+from dflash_model.weights import load_target, load_target_config
 from infer import proposers
+from infer.plain import PROMPT_BUCKETS
 from infer.replies import load_index
-from infer.spec import checked_tree_prior
+from infer.spec import MAX_BLOCK, MAX_TREE_NODES, check_positions, checked_tree_prior
 
 NGRAM_BLOCK = 8  # default K for prompt lookup: cheap drafts, and verify costs about the same up to here
 TREE_NODES = 16  # default draft-tree size (nodes besides the root) of 'tree:DIR'
@@ -26,8 +27,9 @@ LOOKUP_TREE_NODES = 7  # default size of 'lookuptree:FILE' (a verify of 8)
 TREE_PRIOR_FILE = "tree_tau.json"  # beside a reply file: a lookup tree's tokens per round by size ('lookuptreeauto:')
 
 
-def at_least(low: int):
-    """argparse type: an int >= low (a 0 or negative count is refused, not read as 'the default' or 'all')."""
+def at_least(low: int, high: int | None = None):
+    """argparse type: an int >= low (a 0 or negative count is refused, not read as 'the default' or 'all'), and
+    <= high where one is given."""
 
     def parse(text: str) -> int:
         try:
@@ -36,9 +38,11 @@ def at_least(low: int):
             raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
         if value < low:
             raise argparse.ArgumentTypeError(f"{value} is less than {low}")
+        if high is not None and value > high:
+            raise argparse.ArgumentTypeError(f"{value} is more than {high}")
         return value
 
-    parse.__name__ = f"int >= {low}"
+    parse.__name__ = f"int >= {low}" if high is None else f"int in {low}..{high}"
     return parse
 
 
@@ -53,22 +57,31 @@ def non_negative(text: str) -> float:
 class Target:
     path: Path
     config: Any
-    model: Any
+    model: Any  # None until `load_weights` (load_target_spec(weights=False): the config and tokenizer only)
     tokenizer: Any  # None when the target directory ships none (then only --prompt-ids works)
+    dtype: str | None = None
+
+    def load_weights(self) -> Target:
+        """Read the weights (a no-op once read): a CLI checks its inputs against the config first."""
+        if self.model is None:
+            self.config, self.model = load_target(self.path, dtype=self.dtype)
+        return self
 
 
-def load_target_spec(spec: str, dtype: str | None = None) -> Target:
-    """'smollm2' (the package-shipped SmolLM2-135M GGUF), an HF model directory or a .gguf file."""
+def load_target_spec(spec: str, dtype: str | None = None, *, weights: bool = True) -> Target:
+    """'smollm2' (the package-shipped SmolLM2-135M GGUF), an HF model directory or a .gguf file. weights=False:
+    its config and tokenizer only (`Target.load_weights` reads the rest)."""
     if spec == "smollm2":
         path = smollm2_gguf()
     else:
         path = Path(spec)
-    cfg, model = load_target(path, dtype=dtype)
+    cfg = load_target_config(path, dtype=dtype)
     try:
         tok = load_tokenizer(path)
     except (FileNotFoundError, OSError, ValueError):
         tok = None
-    return Target(path, cfg, model, tok)
+    target = Target(path, cfg, None, tok, dtype)
+    return target.load_weights() if weights else target
 
 
 @dataclasses.dataclass
@@ -82,6 +95,11 @@ class Draft:
     # {tree size: expected committed tokens per round}: the engine chooses its tree size among these at start-up
     # from the costs it measures (infer.spec.Engine.calibrate)
     tree_prior: dict[int, float] | None = None
+
+    @property
+    def width(self) -> int:
+        """The widest verify this draft runs (K, or a tree's nodes + 1): what a decode needs beyond its tokens."""
+        return max(self.block_size, (self.tree_nodes or 0) + 1)
 
     def engine_options(self) -> dict:
         """The `infer.spec.Engine` keywords this draft decodes with."""
@@ -128,34 +146,22 @@ def load_draft_spec(
     def load_inner(inner_spec: str) -> Draft:  # the spec a prefix wraps, with this call's options
         return load_draft_spec(inner_spec, target_cfg, block, seed, dtype=dtype, zero_features=zero_features)
 
+    if block is not None and not 1 <= block <= MAX_BLOCK:
+        raise ValueError(f"--draft {spec!r}: block size K={block} is outside 1..{MAX_BLOCK}")
     lookup_tree = re.match(r"lookuptree(\d*|auto):(.*)", spec)
     if lookup_tree:
-        # A tree grown from prompt lookup and a reply file (proposers.LookupTreeProposer), as deep as it has nodes.
-        if block is not None:
-            raise ValueError(f"--draft {spec!r}: a lookup tree's width is its nodes + 1; give lookuptreeN, not @K")
-        prior = tree_prior(lookup_tree[2]) if lookup_tree[1] == "auto" else None
-        if lookup_tree[1] == "auto" and prior is None:
-            raise ValueError(
-                f"--draft {spec!r}: no {Path(lookup_tree[2]).parent / TREE_PRIOR_FILE} to choose the size from "
-                "(benchmarks/lookup_sim.py --prior-out writes it); give lookuptreeN:FILE"
-            )
-        lo, hi = proposers.LOOKUP_TREE_ORDERS
-        index = load_index(lookup_tree[2], target_cfg.vocab_size, min_n=lo, max_n=hi)
-        if prior is not None:
-            return Draft("lookuptree-auto", proposers.LookupTreeProposer(), index, max(prior) + 1, tree_prior=prior)
-        nodes = int(lookup_tree[1] or LOOKUP_TREE_NODES)
-        if nodes < 1:
-            raise ValueError(f"--draft {spec!r}: a tree needs at least 1 node")
-        return Draft(f"lookuptree{nodes}", proposers.LookupTreeProposer(), index, nodes + 1, tree_nodes=nodes)
+        return _lookup_tree_draft(spec, lookup_tree[1], _named(spec, lookup_tree[2], "a reply file"), target_cfg, block)
     tree = re.match(r"tree(\d*):(.*)", spec)
     if tree:
-        inner = load_inner(tree[2])
+        nodes = _tree_nodes(spec, tree[1] or TREE_NODES)  # before the drafter loads
+        inner = load_inner(_named(spec, tree[2], "a drafter directory (or random)"))
         if not hasattr(inner.proposer, "propose_top"):
             raise ValueError(f"--draft {spec!r}: a draft tree needs a DFlash drafter (a directory or random)")
-        nodes = int(tree[1] or TREE_NODES)
-        if nodes < 1:
-            raise ValueError(f"--draft {spec!r}: a tree needs at least 1 node")
         return dataclasses.replace(inner, name=f"tree{nodes}-{inner.name}", tree_nodes=nodes)
+    prefix = re.match(r"(fullvocab|adaptive|hybrid|replies):", spec)
+    if prefix and not spec[prefix.end() :]:
+        what = "a reply file" if prefix[1] == "replies" else "a drafter spec (a directory, random, ...)"
+        raise ValueError(f"--draft {spec!r}: {prefix[0]} needs {what} after the ':'")
     if spec.startswith("fullvocab:"):
         # The drafter over the whole vocabulary, ignoring its draft_vocab.json (what a z-lab server does).
         inner = load_inner(spec.split(":", 1)[1])
@@ -213,6 +219,41 @@ def load_draft_spec(
     return dflash_draft("random", drafter, cfg, block, zero_features=zero_features)
 
 
+def _named(spec: str, rest: str, what: str) -> str:
+    """The part of a --draft value after its prefix, refused when empty (Path('') is the current directory)."""
+    if not rest:
+        raise ValueError(f"--draft {spec!r}: needs {what} after the ':'")
+    return rest
+
+
+def _tree_nodes(spec: str, text) -> int:
+    """A draft tree's size, from 1 to MAX_TREE_NODES."""
+    nodes = int(text)
+    if not 1 <= nodes <= MAX_TREE_NODES:
+        raise ValueError(f"--draft {spec!r}: a draft tree of {nodes} nodes; give 1..{MAX_TREE_NODES}")
+    return nodes
+
+
+def _lookup_tree_draft(spec: str, size: str, replies_file: str, target_cfg, block: int | None) -> Draft:
+    """A tree grown from prompt lookup and a reply file (proposers.LookupTreeProposer), as deep as it has nodes:
+    `size` nodes, or 'auto' (chosen at start-up from the file's TREE_PRIOR_FILE). Sizes are checked before the
+    reply file is read."""
+    if block is not None:
+        raise ValueError(f"--draft {spec!r}: a lookup tree's width is its nodes + 1; give lookuptreeN, not @K")
+    prior = tree_prior(replies_file) if size == "auto" else None
+    if size == "auto" and prior is None:
+        raise ValueError(
+            f"--draft {spec!r}: no {Path(replies_file).parent / TREE_PRIOR_FILE} to choose the size from "
+            "(benchmarks/lookup_sim.py --prior-out writes it); give lookuptreeN:FILE"
+        )
+    nodes = _tree_nodes(spec, max(prior) if prior is not None else size or LOOKUP_TREE_NODES)
+    lo, hi = proposers.LOOKUP_TREE_ORDERS
+    index = load_index(replies_file, target_cfg.vocab_size, min_n=lo, max_n=hi)
+    if prior is not None:
+        return Draft("lookuptree-auto", proposers.LookupTreeProposer(), index, nodes + 1, tree_prior=prior)
+    return Draft(f"lookuptree{nodes}", proposers.LookupTreeProposer(), index, nodes + 1, tree_nodes=nodes)
+
+
 def dflash_draft(
     name: str, drafter, cfg, block: int | None = None, *, zero_features: bool = False, vocab=None
 ) -> Draft:
@@ -261,11 +302,36 @@ def check_prompt_ids(prompts: list[list[int]], target_cfg, names=None, where: st
     v, cap = target_cfg.vocab_size, target_cfg.max_position_embeddings
     for i, ids in enumerate(prompts):
         name = names[i] if names else f"{where} {i}"
+        if not len(ids):
+            raise ValueError(f"{name}: an empty prompt (a decode starts from at least one token)")
         bad = [t for t in ids if not 0 <= int(t) < v]
         if bad:
-            raise SystemExit(
+            raise ValueError(
                 f"{name}: token id {bad[0]} is outside the target's vocabulary 0..{v - 1} "
                 f"(vocab_size {v}){f'; {len(bad)} such ids' if len(bad) > 1 else ''}"
             )
         if len(ids) >= cap:
-            raise SystemExit(f"{name}: {len(ids)} prompt tokens leave no room in the target's {cap} positions")
+            raise ValueError(f"{name}: {len(ids)} prompt tokens leave no room in the target's {cap} positions")
+
+
+def fit_prompts(
+    prompts: list[list[int]], target_cfg, *, max_new_tokens: int, width: int, names: list[str], truncate: bool = False
+) -> tuple[list[list[int]], dict[str, list[int]]]:
+    """Each prompt checked to fit the target's positions with max_new_tokens and a verify of `width` tokens
+    (`infer.spec.check_positions`) and the largest prompt bucket, before anything compiles: one that does not is
+    refused with the numbers, or with truncate, cut to its last tokens that fit (the chat template's generation
+    prompt is at the end) and said on stderr. Returns (prompts, {name: [tokens before, after]} of those cut)."""
+    positions = target_cfg.max_position_embeddings
+    check_positions(1, max_new_tokens, width, positions, "--max-new-tokens")
+    room = min(positions - max_new_tokens - width, PROMPT_BUCKETS[-1])
+    out, cut = [], {}
+    for name, ids in zip(names, prompts, strict=True):
+        if len(ids) > room and not truncate:
+            check_positions(len(ids), max_new_tokens, width, positions, name)
+            raise ValueError(f"{name}: {len(ids)} prompt tokens, more than the largest prompt bucket {room}")
+        if len(ids) > room:
+            cut[name] = [len(ids), room]
+            print(f"{name}: cut from {len(ids)} to its last {room} tokens (--truncate-prompts)", file=sys.stderr)
+            ids = ids[-room:]
+        out.append(ids)
+    return out, cut

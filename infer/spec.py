@@ -35,6 +35,25 @@ from infer.tree import build_tree, walk_tree
 # Trace counts of the jitted steps (incremented only while tracing): tests check one compile per shape bucket.
 TRACES: collections.Counter = collections.Counter()
 
+# The widest block K and the largest draft tree an engine accepts. A round's arrays grow with K (and a tree's
+# attention with its nodes squared): K = 100000 compiled for minutes while memory grew. Both are bounded by the
+# target's positions too (`check_positions`).
+MAX_BLOCK = 1024
+MAX_TREE_NODES = 1024
+
+
+def check_positions(prompt_tokens: int, max_new_tokens: int, width: int, positions: int, name: str = "a prompt"):
+    """Refuse a decode that would run past the target's positions: a prompt of P tokens, max_new_tokens more and a
+    last verify of `width` tokens (K, or a tree's nodes + 1) need P + max_new_tokens + width of them (the decode's
+    cache, C = P + max_new_tokens + K). Past them RoPE runs on positions the model never saw: quietly wrong."""
+    need = prompt_tokens + max_new_tokens + width
+    if need > positions:
+        raise ValueError(
+            f"{name}: a prompt of {prompt_tokens} + {max_new_tokens} new tokens + a verify of {width} = {need} "
+            f"positions, more than the target's {positions} (max_position_embeddings): shorten the prompt or lower "
+            "--max-new-tokens"
+        )
+
 
 @flax.struct.dataclass
 class DecodeState:
@@ -547,6 +566,7 @@ class Engine:
                 )
             tree = (int(tree_nodes), int(tree_top))
         self.static = dict(k=k, temperature=float(temperature), max_new=int(max_new_tokens), widths=widths, tree=tree)
+        self._check_sizes()
         # Costs (ms) of a verify at each candidate width and of the drafter's forward; `calibrate` measures them.
         self.costs: dict | None = None
         self.stop_ids = tuple(sorted({int(s) for s in stop_ids}))
@@ -556,6 +576,23 @@ class Engine:
     @property
     def block_size(self) -> int:
         return self.static["k"]
+
+    @property
+    def width(self) -> int:
+        """The widest verify a round runs: K, or a tree's nodes + 1 (what the cache holds beyond the tokens)."""
+        tree = self.static["tree"]
+        return max(self.block_size, tree[0] + 1 if tree else 0)
+
+    def _check_sizes(self) -> None:
+        """K, a tree's nodes and a one-token prompt's decode against MAX_BLOCK, MAX_TREE_NODES and the target's
+        positions, before anything compiles (`prefill` checks each prompt's own length)."""
+        tree = self.static["tree"]
+        if self.block_size > MAX_BLOCK:
+            raise ValueError(f"block size K={self.block_size} is more than {MAX_BLOCK}")
+        if tree and tree[0] > MAX_TREE_NODES:
+            raise ValueError(f"a draft tree of {tree[0]} nodes is more than {MAX_TREE_NODES}")
+        positions = config_of(self.target).max_position_embeddings
+        check_positions(1, self.static["max_new"], self.width, positions, "max_new_tokens")
 
     @property
     def widths(self) -> tuple[int, ...]:
@@ -583,6 +620,8 @@ class Engine:
         return self._prefill(ids_BP, lengths_B, key, self.costs)
 
     def _prefill(self, ids_BP, lengths_B, key, costs) -> DecodeState:
+        positions = config_of(self.target).max_position_embeddings
+        check_positions(int(np.max(lengths_B)), self.static["max_new"], self.width, positions, "the longest prompt")
         costs = costs or {"verify_ms": [0.0] * len(self.widths), "draft_ms": 0.0}  # unused by a fixed width
         return _prefill(
             self.target,

@@ -229,11 +229,11 @@ def test_out_of_vocabulary_prompt_ids_are_refused(bad, tmp_path):
     """An id outside 0..V-1 would embed as NaN (or wrap) and let target and drafter agree on garbage: both CLIs
     refuse it, naming the id and the vocabulary."""
     target = ["--target", str(FIXTURES / "tiny_qwen3")]
-    with pytest.raises(SystemExit, match=f"token id {bad} is outside the target's vocabulary 0..511"):
+    with pytest.raises(ValueError, match=f"token id {bad} is outside the target's vocabulary 0..511"):
         generate.main(target + ["--prompt-ids", f"1,2,{bad}", "--max-new-tokens", "4", "--draft", "ngram"])
     path = tmp_path / "p.jsonl"
     path.write_text(json.dumps({"id": "x", "prompt_ids": [3, int(bad)]}) + "\n")
-    with pytest.raises(SystemExit, match=f"prompt x: token id {bad}"):
+    with pytest.raises(ValueError, match=f"prompt x: token id {bad}"):
         ev.main(
             target + ["--draft", "ngram", "--dataset", str(path), "--max-new-tokens", "4", "--out", str(tmp_path / "o")]
         )
