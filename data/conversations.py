@@ -7,6 +7,7 @@ import functools
 import gzip
 import json
 import logging
+import zlib
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -70,16 +71,33 @@ def normalize_record(rec, default_id: str, *, require_assistant: bool = True) ->
 
 def iter_jsonl(path: str | Path) -> Iterable[tuple[int, object]]:
     """(line number, parsed object) of every non-blank line of a JSONL file, gzipped if its name ends in .gz;
-    invalid JSON is an error naming file:line."""
+    invalid JSON, a line that is not UTF-8 and a damaged gzip stream are errors naming file:line."""
     path = Path(path)
-    with gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                yield lineno, json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: invalid JSON: {e.msg} (column {e.colno})") from e
+    lineno = 0
+    try:
+        with gzip.open(path, "rb") if path.suffix == ".gz" else path.open("rb") as f:
+            for lineno, raw in enumerate(f, 1):  # split on b"\n" only, as the files are written
+                line = _utf8(raw, path, lineno)
+                if line.strip():
+                    yield lineno, _json(line, path, lineno)
+    except (EOFError, zlib.error, gzip.BadGzipFile) as e:
+        raise ValueError(f"{path}:{lineno + 1}: a damaged gzip file ({e})") from None
+
+
+def _utf8(raw: bytes, path: Path, lineno: int) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"{path}:{lineno}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); save the file as UTF-8"
+        ) from None
+
+
+def _json(line: str, path: Path, lineno: int):
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}:{lineno}: invalid JSON: {e.msg} (column {e.colno})") from e
 
 
 def load_conversations(

@@ -183,8 +183,9 @@ def load_tokenized(
     if parent is not None:
         name = path.name if path is not None else "records"
         target = parent / f"{name}.tok-{cache_key(digest, tok, max_len, thinking, limit, skip)}"
-        if (target / "ids.json").is_file():
-            return TokenizedRecords.load(target)
+        cached = open_cache(target)
+        if cached is not None:
+            return cached
     convs, _ = load_conversations(source, limit=limit, skip=skip)
     records, _ = tokenize_all(convs, tok, max_len, thinking)
     if target is not None:
@@ -192,6 +193,25 @@ def load_tokenized(
         if (target / "ids.json").is_file():
             return TokenizedRecords.load(target)  # the first run behaves like later ones: mmap, cheap to pickle
     return records
+
+
+def open_cache(target: Path) -> TokenizedRecords | None:
+    """The token cache at `target`, or None where there is none or it is damaged (a file cut short, edited or
+    missing): a damaged one is said, naming it, and moved out of the way so that it is rebuilt."""
+    if not (target / "ids.json").is_file():
+        return None
+    try:
+        records = TokenizedRecords.load(target)
+        ids, mask, offsets = records.arrays
+        if not (ids.ndim == mask.ndim == offsets.ndim == 1 and ids.shape == mask.shape):
+            raise ValueError(f"arrays of shapes {ids.shape}, {mask.shape}, {offsets.shape}")
+        if len(offsets) != len(records.ids) + 1 or offsets[0] != 0 or offsets[-1] != len(ids):
+            raise ValueError(f"{len(offsets)} offsets ending at {offsets[-1]} for {len(records.ids)} records")
+        return records
+    except (OSError, ValueError, IndexError, EOFError) as e:  # json.JSONDecodeError is a ValueError
+        log.warning("the token cache %s is damaged (%s); rebuilding it", target, e)
+    shutil.rmtree(target, ignore_errors=True)
+    return None
 
 
 def _save_atomically(records: TokenizedRecords, target: Path) -> None:

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+import zipfile
+import zlib
 from pathlib import Path
 
 import flax
@@ -184,19 +186,41 @@ def save_replies(path: Path, arrays: dict[str, np.ndarray], vocab_size: int) -> 
 
 
 def load_replies(path, vocab_size: int) -> dict[str, np.ndarray]:
-    """The arrays of a reply file written by `python -m infer.replies`, checked against the target's vocabulary."""
+    """The arrays of a reply file written by `python -m infer.replies`, checked against the target's vocabulary
+    and for a layout the index can use (`check_replies`): a damaged file is named, not read as drafts."""
     path = Path(path).expanduser()
     try:
-        z = np.load(path)
-        fmt, vocab = int(z["format"]), int(z["vocab_size"])
-        arrays = {k: z[k] for k in ("input_ids", "loss_mask", "offsets")}
-    except (OSError, ValueError, KeyError) as e:
+        with np.load(path) as z:
+            fmt, vocab = int(z["format"]), int(z["vocab_size"])
+            arrays = {k: z[k] for k in ("input_ids", "loss_mask", "offsets")}
+    # A file cut short: BadZipFile (no central directory), EOFError or zlib.error (a member cut mid-way).
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile, zlib.error) as e:
         raise ValueError(f"{path}: not a reply file written by `python -m infer.replies` ({e})") from None
     if fmt != FORMAT:
         raise ValueError(f"{path}: reply file format {fmt}, this code reads {FORMAT}: rebuild it")
     if vocab != vocab_size:
         raise ValueError(f"{path}: its replies were tokenized for a vocabulary of {vocab}, the target has {vocab_size}")
+    check_replies(path, arrays, vocab_size)
     return arrays
+
+
+def check_replies(path, arrays: dict[str, np.ndarray], vocab_size: int) -> None:
+    """A reply file's arrays as `stored_replies` writes them: 1-D, ids in 0..V-1 (an id outside it would index past
+    the target's embedding), one mask entry per id, offsets from 0 to the number of ids, never decreasing."""
+    ids, mask, offsets = (np.asarray(arrays[k]) for k in ("input_ids", "loss_mask", "offsets"))
+    problem = None
+    if ids.ndim != 1 or mask.shape != ids.shape or offsets.ndim != 1 or offsets.size < 1:
+        problem = f"arrays of shapes {ids.shape}, {mask.shape}, {offsets.shape}: expected [N], [N] and [R + 1]"
+    elif ids.size and not (0 <= ids.min() and ids.max() < vocab_size):
+        bad = ids[(ids < 0) | (ids >= vocab_size)]
+        problem = f"token id {int(bad[0])} is outside the vocabulary 0..{vocab_size - 1} ({bad.size} such ids)"
+    elif offsets[0] != 0 or offsets[-1] != ids.size or np.any(np.diff(offsets) < 0):
+        problem = (
+            f"offsets must rise from 0 to the {ids.size} ids, got {offsets[:3].tolist()}..{offsets[-1:].tolist()}"
+            f" (lowest {int(offsets.min())})"
+        )
+    if problem:
+        raise ValueError(f"{path}: a damaged reply file: {problem}; rebuild it with `python -m infer.replies`")
 
 
 def concat_replies(first: dict[str, np.ndarray], second: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -2,7 +2,8 @@
 
 Layout of `cache_dir`: features.npy, a [N, T, F] memory-mapped array (F = len(layer_ids) * D; bf16 targets are
 stored as their raw uint16 bits, numpy has no bf16), and meta.json, written last: a cache without meta.json
-(a killed precompute) or with a meta.json describing another target / layer set / length is rebuilt.
+(a killed precompute) or with a meta.json describing another target / layer set / length is rebuilt, and so is a
+damaged one (meta.json unreadable, an array cut short), with a warning naming it.
 Rows are the *unshuffled* record order; the grain pipeline's batches carry each row's `index`, so shuffling,
 epochs and exact resume are untouched and only the feature lookup differs from the online path.
 
@@ -78,14 +79,38 @@ def open_or_build(trainer, records, chunk: int = 8):
         )
     root = Path(cfg.features.cache_dir) if cfg.features.cache_dir else trainer.run_dir / "features"
     want = _meta(trainer, records)
-    meta_path, data_path = root / "meta.json", root / "features.npy"
+    data_path = root / "features.npy"
     # Process 0's view decides: a peer that looked after process 0 finished would otherwise skip the build.
-    stale = shd.process0_decides(not (meta_path.is_file() and json.loads(meta_path.read_text()) == want))
+    stale = shd.process0_decides(cache_problem(root, want) is not None)
     if stale:
         _build(trainer, records, root, want, chunk, write=jax.process_index() == 0)
     shd.barrier("dflash offline features written")
     labels = np.load(root / "labels.npy", mmap_mode="r") if want["labels"] == "target" else None
     return _Reader(np.load(data_path, mmap_mode="r"), want["dtype"]), labels
+
+
+def cache_problem(root: Path, want: dict) -> str | None:
+    """Why the feature cache at `root` cannot serve `want` (its meta.json), or None where it can: missing (a first
+    run, or a killed precompute: meta.json is written last), made for other settings, or damaged (meta.json or an
+    array unreadable or cut short). A damaged cache is said, naming the file, before it is rebuilt."""
+    meta_path = root / "meta.json"
+    if not meta_path.is_file():
+        return "missing"
+    try:
+        if json.loads(meta_path.read_text()) != want:
+            return "made for other settings"
+        n, t = want["num_records"], want["max_len"]
+        shapes = {"features.npy": (n, t, len(want["layer_ids"]) * want["hidden_size"])}
+        if want["labels"] == "target":
+            shapes["labels.npy"] = (n, t)
+        for name, shape in shapes.items():
+            got = np.load(root / name, mmap_mode="r").shape
+            if got != shape:
+                raise ValueError(f"{root / name}: shape {got}, expected {shape}")
+    except (OSError, ValueError, EOFError) as e:  # json.JSONDecodeError and a cut .npy's mmap error are ValueErrors
+        log.warning("the offline feature cache %s is damaged (%s); rebuilding it", root, e)
+        return f"damaged: {e}"
+    return None
 
 
 def _build(trainer, records, root: Path, meta: dict, chunk: int, *, write: bool) -> None:
