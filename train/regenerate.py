@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 import sys
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -36,7 +37,8 @@ from dflash_model.cli import add_xla_flags, run_main
 from dflash_model.files import atomic_write_json
 from dflash_model.target import config_of
 from dflash_model.tokenizer import chat_prompt_ids, load_tokenizer, stop_token_ids
-from dflash_model.weights import load_target
+from dflash_model.weights import load_target, load_target_config
+from infer.loading import at_least
 from infer.plain import PROMPT_BUCKETS, bucket_length, greedy_generate
 
 
@@ -105,6 +107,36 @@ def plan(conversations: list[dict], tok, max_prompt_tokens: int, *, thinking: bo
     return eligible, skipped
 
 
+def check_lengths(target_cfg, max_prompt_tokens: int, max_new_tokens: int) -> None:
+    """The longest prompt kept and its reply must fit the target's positions (past them RoPE runs on positions the
+    model never saw: replies quietly wrong)."""
+    positions = target_cfg.max_position_embeddings
+    if max_new_tokens < 1 or max_prompt_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens}, max_prompt_tokens={max_prompt_tokens}: each must be >= 1")
+    if max_prompt_tokens + max_new_tokens > positions:
+        raise ValueError(
+            f"max_prompt_tokens={max_prompt_tokens} + max_new_tokens={max_new_tokens} = "
+            f"{max_prompt_tokens + max_new_tokens} positions, more than the target's {positions}"
+        )
+
+
+def check_output(out_path: str | Path) -> None:
+    """Refuse an output that cannot be appended to, before a model loads: a directory, or a file or directory
+    this process cannot write. Nothing is written: a probe file in the directory is removed at once."""
+    path = Path(out_path)
+    if str(out_path).endswith(os.sep) or path.is_dir():
+        raise ValueError(f"--output {out_path}: a directory; give the JSONL file to write")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path.parent):
+            pass
+        if path.exists():
+            with path.open("ab"):
+                pass
+    except OSError as e:
+        raise ValueError(f"--output {out_path}: cannot be written ({e.strerror or e})") from None
+
+
 def settings_path(out_path: str | Path) -> Path:
     return Path(f"{out_path}.settings.json")
 
@@ -162,6 +194,10 @@ def regenerate(
     """
     if target_name is None:
         target_name = "arch-" + hashlib.sha256(repr(config_of(model)).encode()).hexdigest()[:16]
+    check_lengths(config_of(model), max_prompt_tokens, max_new_tokens)
+    if batch_size < 1:
+        raise ValueError(f"batch_size={batch_size}: must be >= 1")
+    check_output(out_path)
     check_settings(
         out_path,
         {
@@ -237,12 +273,16 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--input", required=True, help="conversation JSONL, or 'sharegpt' (the packaged ShareGPT V3)")
     ap.add_argument("--output", required=True, help="JSONL to write (appended to when resuming)")
     ap.add_argument(
-        "--skip", type=int, default=0, help="pass over the first N input records (e.g. another run's held-out ones)"
+        "--skip", type=at_least(0), default=0, help="pass over the first N input records (e.g. another run's held-out)"
     )
-    ap.add_argument("--limit", type=int, default=None, help="read at most N input records (after the skipped ones)")
-    ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--max-new-tokens", type=int, default=256)
-    ap.add_argument("--max-prompt-tokens", type=int, default=512, help="longer prompts are skipped")
+    ap.add_argument(
+        "--limit", type=at_least(1), default=None, help="read at most N input records (after the skipped ones)"
+    )
+    ap.add_argument("--batch-size", type=at_least(1), default=8)
+    ap.add_argument("--max-new-tokens", type=at_least(1), default=256)
+    ap.add_argument(
+        "--max-prompt-tokens", type=at_least(1, PROMPT_BUCKETS[-1]), default=512, help="longer prompts are skipped"
+    )
     ap.add_argument(
         "--dtype",
         choices=("float32", "bfloat16"),
@@ -259,6 +299,9 @@ def main(argv: list[str] | None = None) -> dict:
     )
     args = ap.parse_args(argv)
     add_xla_flags(args.xla_flags)  # before anything starts a JAX backend
+    check_output(args.output)
+    target = smollm2_gguf() if args.target == "smollm2" else args.target
+    check_lengths(load_target_config(target, dtype=args.dtype), args.max_prompt_tokens, args.max_new_tokens)
     conversations, dropped = load_conversations(args.input, limit=args.limit, skip=args.skip, require_assistant=False)
     model, tok = load(args.target, args.dtype)
     stats = regenerate(
