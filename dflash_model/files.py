@@ -14,6 +14,7 @@ import os
 import shutil
 import socket
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -93,10 +94,27 @@ class RunLock:
         self._f.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
         self._f.flush()
 
+    @property
+    def held(self) -> bool:
+        return not self._f.closed
+
     def release(self) -> None:
         if not self._f.closed:
             fcntl.flock(self._f.fileno(), fcntl.LOCK_UN)
             self._f.close()
+
+
+def open_run_dir(run_dir, timeout_s: float | None = None) -> RunLock:
+    """Take a run directory's lock before anything in it is written (a second training is refused with every file
+    as it was) and, for a URI, check that its store answers (`probe_uri`). The caller releases the lock."""
+    lock = RunLock(local_dir(run_dir))
+    try:
+        if is_uri(run_dir):
+            probe_uri(run_dir, timeout_s)
+    except BaseException:
+        lock.release()
+        raise
+    return lock
 
 
 # -- Run directories on object storage (gs://, s3://, ...) --------------------------------------------------------
@@ -128,6 +146,44 @@ def local_dir(run_dir) -> Path:
         return Path(run_dir)
     scheme, rest = str(run_dir).split("://", 1)
     return cache_root() / "staging" / scheme / rest.strip("/")
+
+
+PROBE_TIMEOUT_S = 20.0  # a store that has not answered a listing and a small write by then is not reachable
+
+
+def probe_uri(uri, timeout_s: float | None = None) -> None:
+    """Refuse a URI run_dir whose store cannot be reached or written (no network, no credentials, no bucket) at
+    start, naming the URI and the reason: list it, write and remove a small object in it, all within `timeout_s`
+    (default PROBE_TIMEOUT_S), instead of a client library's traceback after its own retries (gcsfs: ~1 min)."""
+    timeout_s = PROBE_TIMEOUT_S if timeout_s is None else timeout_s
+    outcome: list[BaseException | None] = []
+
+    def probe():
+        from etils import epath
+
+        try:
+            root = epath.Path(str(uri))
+            root.exists()
+            marker = root / f".probe-{socket.gethostname()}-{os.getpid()}"
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.write_bytes(b"")
+            marker.unlink()
+            outcome.append(None)
+        except BaseException as e:  # reported below, in the caller's thread
+            outcome.append(e)
+
+    worker = threading.Thread(target=probe, name=f"probe {uri}", daemon=True)  # a hung client cannot hold exit
+    worker.start()
+    worker.join(timeout_s)
+    if not outcome:
+        raise ValueError(
+            f"run_dir={uri}: its store did not answer within {timeout_s:g} s (no network, or a client waiting for "
+            "credentials); check the URI, the network and the credentials (gcloud auth application-default login)"
+        )
+    if outcome[0] is not None:
+        e = outcome[0]
+        reason = (str(e).strip().splitlines() or [""])[0][:300]
+        raise ValueError(f"run_dir={uri}: cannot be reached or written: {type(e).__name__}: {reason}")
 
 
 def _staged_files(local: Path):

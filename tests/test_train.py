@@ -133,15 +133,18 @@ def test_a_torn_metrics_line_is_dropped_on_restore(run30, tmp_path):
 
 
 def test_a_second_training_in_one_run_dir_is_refused(tmp_path):
-    """The run_dir lock refuses a second training while one holds it, and dies with its holder (kill -9)."""
+    """The run_dir lock refuses a second training while one holds it, before the Trainer reads or writes anything
+    there (tests/test_bad_inputs_boundary.py checks the bytes), and dies with its holder (kill -9)."""
     from dflash_model.files import RunLock
 
     run_dir = tmp_path / "locked"
     held = RunLock(run_dir)
-    tr = Trainer(load_config("tiny", [f"run_dir={run_dir}"]), restore=False)
     with pytest.raises(RuntimeError, match=rf"{run_dir} is being trained by pid {os.getpid()}"):
-        tr.train(max_steps=1)
+        Trainer(load_config("tiny", [f"run_dir={run_dir}"]), restore=False)
     held.release()
+    tr = Trainer(load_config("tiny", [f"run_dir={run_dir}"]), restore=False)
+    with pytest.raises(RuntimeError, match="is being trained by"):  # the Trainer holds it until it has trained
+        RunLock(run_dir)
     tr.train(max_steps=1)
     assert tr.step == 1
     code = (

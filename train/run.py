@@ -79,14 +79,31 @@ def main(argv: list[str] | None = None) -> dict:
     init_distributed()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every checkpoint step at INFO
-    log = logging.getLogger("dflash.train")
 
     # Imported past --help and the config check only: those answer at once, without loading JAX or the trainer.
     import jax
 
+    from dflash_model.files import open_run_dir
+
+    # The run directory's lock before anything is read or written there (and before the data is regenerated): a
+    # second training in it is refused with every file as it was. Held to the end of the eval.
+    lock = open_run_dir(cfg.run_dir) if jax.process_index() == 0 else None
+    try:
+        return _run(name, overrides, cfg, lock)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _run(name: str, overrides: list[str], cfg, lock) -> dict:
+    """The run under the run directory's lock: data, training, export, eval."""
+    import jax
+
     from train import workflow
+    from train.config import load_config
     from train.trainer import Trainer, load_target_model, resolve_mesh
 
+    log = logging.getLogger("dflash.train")
     target = tokenizer = heldout = None
     if cfg.data.source == "regenerate":
         if jax.process_count() > 1:  # every process would append to the same JSONL
@@ -105,7 +122,7 @@ def main(argv: list[str] | None = None) -> dict:
         workflow.announce_start(cfg)
     log.info("resolved config (%s):\n%s", name, cfg.dump())
 
-    trainer = Trainer(cfg, target=target)
+    trainer = Trainer(cfg, target=target, lock=lock)
     if jax.process_index() == 0:  # like metrics.jsonl and the export: one writer in a multi-process run
         atomic_write_text(trainer.run_dir / "config.yml", cfg.dump())
         trainer.push()

@@ -40,7 +40,7 @@ from dflash_model.drafter_weights import (
     load_drafter,
     zlab_config,
 )
-from dflash_model.files import RunLock, local_dir, pull, push, run_path
+from dflash_model.files import local_dir, open_run_dir, pull, push, run_path
 from dflash_model.target import build_target, config_of, forward, is_maxtext, randomize
 from dflash_model.tokenizer import load_tokenizer
 from dflash_model.weights import load_target
@@ -237,6 +237,21 @@ def init_draft_vocab(cfg, vocab_size: int) -> np.ndarray:
     return np.asarray(ids, np.int32)
 
 
+def check_eval_lengths(cfg, positions: int) -> None:
+    """The end-of-run eval's longest prompt, its new tokens and its widest verify must fit the target's positions:
+    found when the target is known, not after training."""
+    e = cfg.eval
+    if not bool(e.enabled):
+        return
+    width = max(int(e.block if e.block is not None else cfg.block_size), int(e.ngram_block))
+    need = int(e.max_prompt_tokens) + int(e.max_new_tokens) + width
+    if need > positions:
+        raise ValueError(
+            f"eval.max_prompt_tokens={e.max_prompt_tokens} + eval.max_new_tokens={e.max_new_tokens} + a verify of "
+            f"{width} = {need} positions, more than the target's max_position_embeddings={positions}"
+        )
+
+
 def resolve_mesh(cfg, devices=None):
     devices = list(jax.devices() if devices is None else devices)
     m = {k: int(cfg.mesh[k]) for k in ("data", "fsdp", "tensor")}
@@ -291,12 +306,35 @@ class Trainer:
     train on instead of cfg.data's source (the batches, anchors and resumable iterator are the conversation path's).
     """
 
-    def __init__(self, cfg, *, devices=None, target=None, records=None, restore: bool = True):
+    def __init__(self, cfg, *, devices=None, target=None, records=None, restore: bool = True, lock=None):
         self.cfg = cfg
         # A URI run_dir (gs://bucket/run): checkpoints go there through Orbax, the other files through a local
         # staging directory that `push` mirrors to it (dflash_model.files).
         self.run_uri = str(cfg.run_dir)
         self.run_dir = local_dir(cfg.run_dir)
+        # The run directory's lock (process 0) before anything in it is read or written: a second training there
+        # is refused with every file as it was. A lock given by the caller (train/run.py, which takes it before
+        # regenerating data) stays the caller's to release; one taken here is released when `train` ends.
+        self._own_lock = lock is None
+        self.lock = lock if lock is not None or jax.process_index() != 0 else open_run_dir(cfg.run_dir)
+        try:
+            self._setup(devices, target, records, restore)
+        except BaseException:
+            self.release_lock()
+            raise
+
+    def release_lock(self) -> None:
+        """Release the run directory's lock if this Trainer took it (a no-op otherwise, or when released)."""
+        if self._own_lock and self.lock is not None:
+            self.lock.release()
+
+    def _hold_lock(self) -> None:
+        """Take the run directory's lock again for a `train` after an earlier one released it."""
+        if self._own_lock and self.lock is not None and not self.lock.held:
+            self.lock = open_run_dir(self.cfg.run_dir)
+
+    def _setup(self, devices, target, records, restore: bool) -> None:
+        cfg = self.cfg
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if jax.process_index() == 0:
             pull(self.run_uri)  # a fresh host resuming a URI run: its metrics.jsonl and config.yml come back first
@@ -312,6 +350,7 @@ class Trainer:
         for key, value in (("block_size", int(cfg.block_size)), ("train.max_len", int(cfg.train.max_len))):
             if value > positions:
                 raise ValueError(f"{key}={value} exceeds the target's max_position_embeddings={positions}")
+        check_eval_lengths(cfg, positions)
         self.block_size = int(cfg.block_size)
         self.gamma = gamma_of(cfg)
         self.loss_positions = None if cfg.loss_positions is None else int(cfg.loss_positions)
@@ -517,12 +556,19 @@ class Trainer:
 
     def train(self, max_steps: int | None = None) -> dict:
         """Run to train.steps (or `max_steps` more steps); checkpoint every checkpoint.every_steps, on SIGTERM/
-        SIGINT and at the end. Returns a summary with throughput."""
+        SIGINT and at the end; export a finished run. Returns a summary with throughput. Holds the run directory's
+        lock throughout (a lock this Trainer took is released at the end, a caller's is left to the caller)."""
+        self._hold_lock()
+        try:
+            return self._train(max_steps)
+        finally:
+            self.release_lock()
+
+    def _train(self, max_steps: int | None) -> dict:
         cfg = self.cfg
         end = self.total_steps if max_steps is None else min(self.total_steps, self.step + max_steps)
         prog = self.program()
         nan_at = jnp.asarray(-1 if cfg.debug.nan_at_step is None else int(cfg.debug.nan_at_step), jnp.int32)
-        lock = RunLock(self.run_dir) if jax.process_index() == 0 else None
         old_handlers = self._install_signals()
         tb = self._tensorboard()
         every = int(cfg.checkpoint.every_steps)
@@ -584,8 +630,6 @@ class Trainer:
         finally:
             profile.stop()
             self.checkpoints.wait_until_finished()
-            if lock is not None:
-                lock.release()
             for s, h in old_handlers.items():
                 signal.signal(s, h)
             if tb is not None:
