@@ -208,7 +208,14 @@ _AT_LEAST = {
     "distill_weight": 0.0,
 }
 _STRICTLY_POSITIVE = {"train.lr", "gamma"}
-_AT_MOST = {"train.warmup_ratio": 1.0, "train.final_lr_ratio": 1.0, "distill_weight": 1.0}
+# eval's block sizes as inference bounds them (infer.spec.MAX_BLOCK); block_size is bounded by train.max_len
+_AT_MOST = {
+    "train.warmup_ratio": 1.0,
+    "train.final_lr_ratio": 1.0,
+    "distill_weight": 1.0,
+    "eval.block": 1024,
+    "eval.ngram_block": 1024,
+}
 DATA_SOURCES = ("synthetic", "regenerate", "sharegpt")
 
 
@@ -315,10 +322,39 @@ def _validate(cfg: dict, schema: dict | None = None) -> None:
     if cfg["target"]["path"] is None and cfg["target"]["preset"] is None:
         raise ValueError("set target.path (real weights) or target.preset (random weights)")
     e = cfg["eval"]
+    if e["block"] is not None and e["block"] > cfg["block_size"]:
+        raise ValueError(
+            f"eval.block={e['block']}: more than the trained block_size={cfg['block_size']} (a drafter decodes at "
+            "its trained K or below)"
+        )
     eval_k = e["block"] if e["block"] is not None else cfg["block_size"]
     bad = [k for k in e["also_blocks"] if isinstance(k, bool) or not isinstance(k, int) or not 2 <= k <= eval_k]
     if bad:
         raise ValueError(f"eval.also_blocks={list(e['also_blocks'])}: {bad[0]!r} is not a block size in 2..{eval_k}")
+    _check_late_files(cfg)
+
+
+EVAL_SETS = ("heldout", "humaneval", "gsm8k", "mtbench")  # eval.prompts names; anything else is a JSONL path
+
+
+def _check_late_files(cfg: dict) -> None:
+    """Files a run reads only after training (the end-of-run eval's prompts and shipped drafter) or after loading
+    the target (the prompts to regenerate replies to), checked when the config is read: a missing one is named by
+    its key before anything runs, not found after hours of training and the export. Relative paths are read from
+    the current directory, as the run reads them."""
+    e = cfg["eval"]
+    if e["enabled"]:
+        prompts = str(e["prompts"])
+        if prompts not in EVAL_SETS and not Path(prompts).expanduser().is_file():
+            raise ValueError(f"eval.prompts={prompts!r}: no such file, and not one of {EVAL_SETS}")
+        shipped = e["shipped"]
+        if shipped is not None and not (Path(str(shipped)).expanduser() / "config.json").is_file():
+            raise ValueError(
+                f"eval.shipped={shipped!r}: no drafter directory there (no config.json); give one, or null for none"
+            )
+    regen = cfg["data"]["regenerate"]["prompts"]
+    if cfg["data"]["source"] == "regenerate" and regen != "sharegpt" and not Path(str(regen)).expanduser().is_file():
+        raise ValueError(f"data.regenerate.prompts={regen!r}: no such file, and not 'sharegpt'")
 
 
 def cli_overrides(argv: list[str]) -> tuple[str, list[str]]:
