@@ -1,5 +1,6 @@
 """z-lab DFlash drafter checkpoints (config.json + model.safetensors): the config.json parser and writer, strict
-load, export, schema check.
+load, export, schema check; and the same tensors under vLLM's speculators-format config.json
+(dflash_model.speculators_format), which load_drafter tells apart by its config and reads into the same drafter.
 
 The format is the one z-lab publishes and vLLM / SGLang / tpu-inference read: unprefixed tensor names, torch
 Linear layout [out, in], no embedding, no lm_head, no biases, no rotary buffers; 3 + 11 * L tensors.
@@ -18,8 +19,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from safetensors import safe_open
 from safetensors.flax import save_file
 
+from dflash_model import speculators_format
 from dflash_model.config import (
     ConfigError,
     TargetConfig,
@@ -202,31 +205,68 @@ def zlab_config(cfg: DrafterConfig) -> dict[str, Any]:
     }
 
 
-def tensor_problems(source, cfg: DrafterConfig, expected_dtype: str | None) -> list[str]:
-    """Every missing, unexpected, mis-shaped or mis-typed tensor of `source` against `cfg`."""
+def tensor_problems(source, cfg: DrafterConfig, expected_dtype: str | None, extras=None) -> list[str]:
+    """Every missing, unexpected, mis-shaped or mis-typed tensor of `source` against `cfg`; `extras` (name ->
+    (shape, dtype kind)) are tensors that may be present beside the body and are checked when they are."""
     shapes = {name: spec.shape for name, spec in zlab_tensor_specs(cfg).items()}
-    return shape_dtype_problems(source, shapes, expected_dtype)
+    extras = extras or {}
+    problems = shape_dtype_problems(source, shapes, expected_dtype, tolerated=frozenset(extras))
+    for name in sorted(set(extras) & set(source.keys())):
+        (want, kind), (shape, dtype) = extras[name], source.shape_dtype(name)
+        if shape != want:
+            problems.append(
+                f"tensor {name!r} in {source.where(name)} has shape {list(shape)}, config expects {list(want)}"
+            )
+        if dtype not in _DTYPE_KINDS[kind]:
+            problems.append(f"tensor {name!r} in {source.where(name)} has dtype {dtype}, expected {kind}")
+    return problems
+
+
+# safetensors dtype names of each kind of tensor a speculators checkpoint holds.
+_DTYPE_KINDS = {"float": ("F32", "BF16", "F16"), "int": ("I64", "I32"), "bool": ("BOOL",)}
+
+
+def _read_drafter_config(model_dir: Path, target_cfg: TargetConfig | None) -> tuple[dict, DrafterConfig, dict, set]:
+    """(z-lab config dict, DrafterConfig, extra tensors, required extras) of a drafter directory in either format.
+
+    A speculators config.json is translated to the z-lab one first; its checkpoint may hold the tensors
+    speculators_format.extra_tensors names beside the body, and a reduced draft vocabulary requires its d2t."""
+    raw = _read_config(model_dir)
+    source_name = str(model_dir / "config.json")
+    if not speculators_format.is_speculators_config(raw):
+        return raw, parse_zlab_config(raw, source=source_name), {}, set()
+    depth = None if target_cfg is None else target_cfg.num_hidden_layers
+    zraw = speculators_format.zlab_view(raw, source_name, num_target_layers=depth)
+    cfg = parse_zlab_config(zraw, source=f"{source_name} (transformer_layer_config)")
+    n = speculators_format.draft_vocab_size(raw, cfg.vocab_size, source_name)
+    extras = speculators_format.extra_tensors(cfg.vocab_size, n, cfg.hidden_size)
+    return zraw, cfg, extras, set() if n == cfg.vocab_size else {"d2t"}
 
 
 def load_drafter(
     model_dir: str | Path, target_cfg: TargetConfig | None = None, *, dtype: str | None = None, mesh=None
 ) -> tuple[DrafterConfig, Drafter]:
-    """(config, drafter) from a z-lab drafter directory, checked against `target_cfg` when given.
+    """(config, drafter) from a drafter directory in the z-lab or the speculators format (told apart by its
+    config.json), checked against `target_cfg` when given.
 
     dtype: compute/parameter dtype after the strict check (default: the checkpoint's declared dtype).
     mesh: place each parameter by the sharding rules as it is read.
     """
     model_dir = Path(model_dir)
-    raw = _read_config(model_dir)
+    raw, cfg, extras, required = _read_drafter_config(model_dir, target_cfg)
     source_name = str(model_dir / "config.json")
-    cfg = parse_zlab_config(raw, source=source_name)
     if target_cfg is not None:
         check_pairing(cfg, target_cfg, source=source_name)
     declared = stored_dtype(raw)
     if declared not in _SAFETENSORS_DTYPE:
         raise ConfigError(f"{source_name}: torch_dtype={declared!r}; expected one of {sorted(_SAFETENSORS_DTYPE)}")
     source = SafetensorsSource(model_dir)
-    raise_problems(f"{model_dir}: checkpoint does not match its config", tensor_problems(source, cfg, declared))
+    problems = [
+        f"missing tensor {name!r} (the mapping of a reduced draft vocabulary, draft_vocab_size < {cfg.vocab_size})"
+        for name in sorted(required - set(source.keys()))
+    ]
+    problems += tensor_problems(source, cfg, declared, extras)
+    raise_problems(f"{model_dir}: checkpoint does not match its config", problems)
 
     cfg = cfg if dtype is None else cfg.replace(dtype=dtype)
     drafter = abstract_drafter(cfg)
@@ -240,28 +280,50 @@ def load_drafter(
     jdtype = jnp_dtype(cfg.dtype)
     for name, spec in specs.items():
         value = spec.to_param(jnp.asarray(source.get(name))).astype(jdtype)
-        check_finite(value, f"{model_dir / 'model.safetensors'}: {name}")
+        check_finite(value, f"{source.where(name)}: {name}")
         if shardings is not None:
             value = jax.device_put(value, shardings[spec.path])
         params[spec.path].set_value(value)
     return cfg, drafter
 
 
-# The draft vocabulary a drafter was trained on, beside its z-lab files. The z-lab format has no field for one, so
-# servers ignore the file and use the full lm_head; this project's decoder reads it (infer.loading).
+# The draft vocabulary a drafter was trained on, beside its exported files. The z-lab format has no field for one
+# and the speculators format's (d2t + a reduced lm_head) is not written, so servers ignore the file and use the full
+# lm_head; this project's decoder reads it (infer.loading).
 DRAFT_VOCAB_FILE = "draft_vocab.json"
+
+EXPORT_FORMATS = ("zlab", "speculators")
+
+
+def export_config(cfg: DrafterConfig, fmt: str = "zlab", verifier: dict | None = None) -> dict[str, Any]:
+    """The config.json of an export of `cfg` in `fmt`: z-lab's, or vLLM's speculators format around the same
+    architecture keys, `verifier` ({"name_or_path", "architectures"}) naming the target a server pairs it with."""
+    if fmt == "zlab":
+        return zlab_config(cfg)
+    if fmt == "speculators":
+        return speculators_format.speculators_config(zlab_config(cfg), **{"name_or_path": None, **(verifier or {})})
+    raise ValueError(f"format={fmt!r}: expected one of {EXPORT_FORMATS}")
 
 
 def export_drafter(
-    drafter: Drafter, cfg: DrafterConfig, out_dir: str | Path, dtype: str = "bfloat16", draft_vocab=None
+    drafter: Drafter,
+    cfg: DrafterConfig,
+    out_dir: str | Path,
+    dtype: str = "bfloat16",
+    draft_vocab=None,
+    *,
+    fmt: str = "zlab",
+    verifier: dict | None = None,
 ) -> Path:
-    """Write config.json + model.safetensors in z-lab's format, tensors cast to `dtype`; and draft_vocab.json
+    """Write config.json + model.safetensors, tensors cast to `dtype`, in z-lab's format (fmt="zlab") or vLLM's
+    speculators format (fmt="speculators": the same tensors, export_config's config.json); and draft_vocab.json
     when `draft_vocab` (the token ids of a reduced-vocabulary training loss, most frequent first) is given."""
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype={dtype!r}: export writes 'float32' or 'bfloat16'")
     if cfg.replace(dtype=drafter.config.dtype) != drafter.config:
         raise ValueError("cfg describes a different architecture than the drafter being exported")
     out_cfg = cfg.replace(dtype=dtype)
+    config = export_config(out_cfg, fmt, verifier)  # a config the format refuses stops the export before any file
     out = Path(out_dir)
     vocab_file = out / DRAFT_VOCAB_FILE
     ids = None if draft_vocab is None else [int(i) for i in jax.device_get(draft_vocab)]
@@ -276,7 +338,7 @@ def export_drafter(
     }
     # format=pt: transformers' safetensors loader (z-lab's reference path) expects torch-format metadata.
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    atomic_write_json(out / "config.json", zlab_config(out_cfg))
+    atomic_write_json(out / "config.json", config)
     if ids is None:
         vocab_file.unlink(missing_ok=True)  # a stale one from an earlier export must not outlive its weights
     else:
@@ -287,16 +349,43 @@ def export_drafter(
 
 
 def load_draft_vocab(model_dir: str | Path, vocab_size: int) -> tuple[int, ...] | None:
-    """The draft vocabulary saved beside a drafter (draft_vocab.json), or None when it has none."""
+    """The draft vocabulary saved beside a drafter (draft_vocab.json, in its order), else a speculators
+    checkpoint's reduced vocabulary (its d2t mapping, ascending ids); None when it has neither. A draft_vocab.json
+    and a d2t that disagree are refused."""
     path = Path(model_dir) / DRAFT_VOCAB_FILE
+    mapped = _mapped_draft_vocab(Path(model_dir), vocab_size)
     if not path.is_file():
-        return None
+        return mapped
     try:
         ids = json.loads(path.read_text())["token_ids"]
     except (json.JSONDecodeError, KeyError, TypeError) as e:
         raise ConfigError(f"{path}: expected a JSON object with a 'token_ids' list ({e})") from None
     _check_draft_vocab(ids, vocab_size, str(path))
+    if mapped is not None and sorted(ids) != list(mapped):
+        raise ConfigError(f"{path}: its tokens are not the {len(mapped)} the checkpoint's d2t maps to")
     return tuple(int(i) for i in ids)
+
+
+def _mapped_draft_vocab(model_dir: Path, vocab_size: int) -> tuple[int, ...] | None:
+    """The reduced draft vocabulary of a speculators checkpoint (d2t, checked against t2d), or None."""
+    if not (model_dir / "config.json").is_file():
+        return None
+    raw = _read_config(model_dir)
+    if not speculators_format.is_speculators_config(raw):
+        return None
+    source_name = str(model_dir / "config.json")
+    if speculators_format.draft_vocab_size(raw, vocab_size, source_name) == vocab_size:
+        return None
+    source = SafetensorsSource(model_dir)
+    if "d2t" not in source.keys():
+        raise CheckpointError(f"{model_dir}: missing tensor 'd2t' (draft_vocab_size < {vocab_size} needs the mapping)")
+
+    def read(name):  # integer and bool tensors, read as numpy (no float cast, no int64 truncation)
+        with safe_open(source.where(name), framework="np") as f:
+            return f.get_tensor(name)
+
+    t2d = read("t2d") if "t2d" in source.keys() else None
+    return speculators_format.draft_vocab_from_mappings(read("d2t"), t2d, vocab_size, source.where("d2t"))
 
 
 def _check_draft_vocab(ids, vocab_size: int, source: str) -> None:
@@ -386,7 +475,9 @@ def check_zlab_schema(model_dir: str | Path) -> list[str]:
 __all__ = [
     "CheckpointError",
     "DraftTensor",
+    "EXPORT_FORMATS",
     "check_zlab_schema",
+    "export_config",
     "export_drafter",
     "load_drafter",
     "parse_zlab_config",

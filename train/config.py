@@ -281,12 +281,16 @@ def _validate(cfg: dict, schema: dict | None = None) -> None:
         ("train", "schedule"): ("cosine", "constant"),
         ("target", "dtype"): ("float32", "bfloat16"),
         ("export", "dtype"): ("float32", "bfloat16"),
+        ("export", "format"): ("zlab", "speculators", "both"),
         ("train", "compute_dtype"): ("float32", "bfloat16"),
         ("data", "labels"): ("text", "target"),
     }
     for (a, b), allowed in choices.items():
         if cfg[a][b] not in allowed:
             raise ValueError(f"{a}.{b}={cfg[a][b]!r}: expected one of {allowed}")
+    verifier = cfg["export"]["verifier"]
+    if verifier is not None and not isinstance(verifier, str):
+        raise ValueError(f"export.verifier={verifier!r}: expected an HF model id or directory (a string) or null")
     if cfg["block_size"] > cfg["train"]["max_len"]:
         raise ValueError(
             f"block_size={cfg['block_size']} exceeds train.max_len={cfg['train']['max_len']}: "

@@ -35,12 +35,14 @@ from dflash_model.drafter import (
 )
 from dflash_model.drafter_weights import (
     DRAFT_VOCAB_FILE,
+    export_config,
     export_drafter,
     load_draft_vocab,
     load_drafter,
     zlab_config,
 )
 from dflash_model.files import local_dir, open_run_dir, pull, push, run_path
+from dflash_model.speculators_format import VERIFIER_ARCHITECTURES
 from dflash_model.target import build_target, config_of, forward, is_maxtext, randomize
 from dflash_model.tokenizer import load_tokenizer
 from dflash_model.weights import load_target
@@ -122,7 +124,26 @@ def drafter_config(cfg, target_cfg):
     # AdamW on bf16 weights loses small updates; the drafter trains in fp32 and is cast at export.
     dcfg = dcfg.replace(block_size=int(cfg.block_size), dtype="float32")
     check_pairing(dcfg, target_cfg, source=f"drafter ({d.preset or 'from config'})")
+    if cfg.export.enabled:  # a format that cannot carry this drafter stops the run now, not after training
+        for fmt, _ in EXPORT_LAYOUT[cfg.export.format]:
+            export_config(dcfg, fmt, export_verifier(cfg, target_cfg))
     return dcfg
+
+
+# export.format: (format, directory under run_dir) of each export; the first is the one the summary and eval read.
+EXPORT_LAYOUT = {
+    "zlab": (("zlab", "export"),),
+    "speculators": (("speculators", "export"),),
+    "both": (("zlab", "export"), ("speculators", "export-speculators")),
+}
+
+
+def export_verifier(cfg, target_cfg) -> dict:
+    """speculators_config.verifier of a speculators export: export.verifier, else target.path as written (null for
+    a random preset target), and the HF class of the target's family."""
+    name = cfg.export.verifier if cfg.export.verifier is not None else cfg.target.path
+    arch = VERIFIER_ARCHITECTURES.get(target_cfg.family)
+    return {"name_or_path": None if name is None else str(name), "architectures": [arch] if arch else []}
 
 
 def init_weights(drafter, dcfg, init_dir, target_cfg, layers=None) -> None:
@@ -650,8 +671,9 @@ class Trainer:
         return summary
 
     def export(self) -> Path | None:
-        """The z-lab format drafter at <run_dir>/export/. With several processes every one must call this (the
-        parameters are gathered across them); process 0 writes and gets the path, the others None."""
+        """The drafter in export.format's format(s) (EXPORT_LAYOUT: <run_dir>/export/, and export-speculators/ for
+        `both`). With several processes every one must call this (the parameters are gathered across them);
+        process 0 writes and gets the path of export/, the others None."""
         if jax.process_count() > 1:
             params = multihost_utils.process_allgather(self.state["params"], tiled=True)  # host numpy, whole
             if jax.process_index() != 0:
@@ -659,11 +681,21 @@ class Trainer:
             drafter = nnx.merge(self.d_graph, params)
         else:
             drafter = self.drafter()
-        path = export_drafter(
-            drafter, drafter.config, self.run_dir / "export", dtype=self.cfg.export.dtype, draft_vocab=self.vocab_ids
-        )
+        verifier = export_verifier(self.cfg, self.target_cfg)
+        paths = [
+            export_drafter(
+                drafter,
+                drafter.config,
+                self.run_dir / sub,
+                dtype=self.cfg.export.dtype,
+                draft_vocab=self.vocab_ids,
+                fmt=fmt,
+                verifier=verifier,
+            )
+            for fmt, sub in EXPORT_LAYOUT[self.cfg.export.format]
+        ]
         self.push()
-        return path
+        return paths[0]
 
     def _tensorboard(self):
         if not bool(self.cfg.log.tensorboard) or jax.process_index() != 0:
