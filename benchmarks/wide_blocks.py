@@ -87,15 +87,18 @@ def step_seconds(run_dir: Path) -> float:
     return statistics.median(times)
 
 
-def train_arm(arm: str, data: Path, runs: Path, budget_s: float) -> dict:
-    """Calibrate, then train one arm for budget_s of steps; its export directory and what it saw."""
-    cal = runs / f"cal-{arm}"
-    if not (cal / "metrics.jsonl").exists() or step_seconds(cal) <= 0:
-        cmd = [sys.executable, "train/run.py", *train_overrides(arm, data), f"train.steps={CALIBRATION_STEPS}",
-               f"run_dir={cal}", "export.enabled=false"]  # fmt: skip
-        run(cmd, runs / f"cal-{arm}.log")
-    s_step = step_seconds(cal)
-    steps = max(1, int(budget_s / s_step))
+def train_arm(arm: str, data: Path, runs: Path, budget_s: float | None, steps: int | None) -> dict:
+    """Train one arm for `steps` steps, or for budget_s of steps after a calibration run; its export directory and
+    what it saw."""
+    s_step = None
+    if steps is None:
+        cal = runs / f"cal-{arm}"
+        if not (cal / "metrics.jsonl").exists():
+            cmd = [sys.executable, "train/run.py", *train_overrides(arm, data), f"train.steps={CALIBRATION_STEPS}",
+                   f"run_dir={cal}", "export.enabled=false"]  # fmt: skip
+            run(cmd, runs / f"cal-{arm}.log")
+        s_step = step_seconds(cal)
+        steps = max(1, int(budget_s / s_step))
     out = runs / arm
     export = out / "export"
     if not (export / "config.json").exists():
@@ -125,15 +128,17 @@ def widths(k_infer: list[str], k_train: int) -> list[int]:
     return sorted(k for k in ks if k <= k_train)
 
 
-def eval_set(name: str, arms: list[dict], k_infer: list[str], args, out: Path) -> dict:
-    """One infer.eval call for a set: every arm at every K_infer <= its K_train, the shipped drafter, n-gram."""
+def eval_set(spec: str, arms: list[dict], k_infer: list[str], args, out: Path) -> dict:
+    """One infer.eval call for a set (NAME or NAME:MAX_NEW_TOKENS): every arm at every K_infer <= its K_train, the
+    shipped drafter, n-gram."""
+    name, _, tokens = spec.partition(":")
     dest = out / f"eval-{name}"
     if not (dest / "eval.json").exists():
         drafts = [f"shipped@{k}={SHIPPED}@{k}" for k in widths(k_infer, 16)]
         drafts += [f"{a['arm']}@{k}={a['export']}@{k}" for a in arms for k in widths(k_infer, a["k_train"])]
         cmd = [sys.executable, "-m", "infer.eval", "--target", "smollm2", "--dataset", name, "--limit",
-               str(args.limit), "--max-new-tokens", str(args.max_new_tokens), "--out", str(dest), "--no-progress",
-               "--draft", "ngram@16", *(x for d in drafts for x in ("--draft", d))]  # fmt: skip
+               str(args.limit), "--max-new-tokens", tokens or str(args.max_new_tokens), "--out", str(dest),
+               "--no-progress", "--draft", "ngram@16", *(x for d in drafts for x in ("--draft", d))]  # fmt: skip
         run(cmd, out / f"eval-{name}.log")
     return json.loads((dest / "eval.json").read_text())
 
@@ -225,7 +230,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default="docs/results/wide-blocks", help="study.json, table.md, survival.png")
     ap.add_argument("--runs", default="runs/wide-blocks", help="training runs and the data mix")
     ap.add_argument("--train-minutes", type=float, default=5.0, help="wall-clock of steps per arm (default 5)")
-    ap.add_argument("--sets", default="gsm8k,humaneval,mtbench")
+    ap.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="equal steps per arm instead of equal wall-clock (every step drafts the same positions; for a machine "
+        "whose load varies, where a calibrated step time would not hold)",
+    )
+    ap.add_argument("--sets", default="gsm8k,humaneval,mtbench", help="NAME or NAME:MAX_NEW_TOKENS, comma-separated")
     ap.add_argument("--limit", type=int, default=10, help="prompts per set (default 10)")
     ap.add_argument("--max-new-tokens", type=int, default=512)
     ap.add_argument("--k-infer", default="8,16,32,64,128", help="K_infer list; `own` = each drafter's K_train")
@@ -235,8 +247,9 @@ def main(argv=None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     k_infer = args.k_infer.split(",")
     data = mix(runs)
-    arms = [train_arm(a, data, runs, args.train_minutes * 60) for a in args.arms.split(",")]
-    evals = {s: eval_set(s, arms, k_infer, args, out) for s in args.sets.split(",")}
+    budget = None if args.train_minutes is None else args.train_minutes * 60
+    arms = [train_arm(a, data, runs, budget, args.steps) for a in args.arms.split(",")]
+    evals = {s.partition(":")[0]: eval_set(s, arms, k_infer, args, out) for s in args.sets.split(",")}
     mats = matrices(evals)
     study = {"settings": vars(args), "positions_per_step": POSITIONS_PER_STEP, "arms": arms, "matrices": mats}
     atomic_write_text(out / "study.json", json.dumps(study, indent=1, allow_nan=False))

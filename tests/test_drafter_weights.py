@@ -374,7 +374,7 @@ def test_continued_training_can_keep_the_init_drafters_vocabulary(tmp_path):
         init_draft_vocab(empty, 49152)
     # Refused when the config is read, before a target loads: an init that is not a directory, no draft_vocab.
     with pytest.raises(ValueError, match="needs drafter.init to be a drafter directory, not 'copy'"):
-        load_config("smollm2-135m", ["drafter.init_vocab=true"])
+        load_config("drafters/smollm2-135m-dflash/recipe/long.yml", ["drafter.init_vocab=true"])
     with pytest.raises(ValueError, match=r"needs draft_vocab \(the size of the saved vocabulary\)"):
         load_config(
             "drafters/smollm2-135m-dflash/recipe/regen.yml",
