@@ -623,7 +623,7 @@ def _drafts(specs: list[str], target_cfg, block: int | None, seed: int):
     out = []
     for given in specs:
         label, eq, rest = given.partition("=")
-        if not eq or not re.fullmatch(r"[\w.+-]+", label):
+        if not eq or not re.fullmatch(r"[\w.+@-]+", label):
             label, rest = "", given
         spec, at, k = rest.partition("@")
         if at and not k.isdigit():

@@ -216,9 +216,9 @@ def test_shipped_drafter_loads_with_its_draft_vocabulary_unless_fullvocab():
     assert names == ["dflash", "fullvocab-dflash", "smollm2-135m-dflash", "fullvocab-smollm2-135m-dflash"]
     # One directory at several K: the third is named by its K; NAME=SPEC names a row; a name twice is refused.
     names = [
-        d.name for d in ev._drafts([shipped + "@8", shipped + "@4", shipped, "start=" + shipped + "@2"], cfg, None, 0)
+        d.name for d in ev._drafts([shipped + "@8", shipped + "@4", shipped, "start@2=" + shipped + "@2"], cfg, None, 0)
     ]
-    assert names == ["dflash", "smollm2-135m-dflash", "smollm2-135m-dflash@16", "start"]
+    assert names == ["dflash", "smollm2-135m-dflash", "smollm2-135m-dflash@16", "start@2"]
     assert [d.block_size for d in ev._drafts(["a=" + shipped + "@4"], cfg, None, 0)] == [4]
     with pytest.raises(ValueError, match="a second row named 'x'"):
         ev._drafts(["x=" + shipped, "x=ngram"], cfg, None, 0)
