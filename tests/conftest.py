@@ -41,3 +41,30 @@ def smollm2():
     path = smollm2_gguf()
     cfg, model = load_target(path)
     return cfg, model, load_tokenizer(path)
+
+
+def param_arrays(model) -> dict:
+    """{path: array} of every nnx.Param of a module (to compare two drafters parameter by parameter)."""
+    import numpy as np
+    from flax import nnx
+
+    return {path: np.asarray(p.get_value()) for path, p in nnx.iter_graph(model) if isinstance(p, nnx.Param)}
+
+
+def rewrite_export(src, dst, tensors=None, config=None):
+    """A copy of the drafter export at `src` in `dst`, with `tensors(dict)` / `config(dict)` edits applied in place
+    (damaged checkpoints for the loaders' refusal tests)."""
+    import json
+
+    from safetensors.numpy import load_file, save_file
+
+    dst.mkdir()
+    arrays = load_file(str(src / "model.safetensors"))
+    raw = json.loads((src / "config.json").read_text())
+    if tensors:
+        tensors(arrays)
+    if config:
+        config(raw)
+    save_file(arrays, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    (dst / "config.json").write_text(json.dumps(raw))
+    return dst

@@ -9,9 +9,10 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from conftest import param_arrays, rewrite_export
 from flax import nnx
 from safetensors import safe_open
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import load_file
 
 from dflash_model.config import ConfigError, TargetConfig
 from dflash_model.drafter import DrafterConfig, build_drafter, drafter_preset
@@ -37,10 +38,6 @@ TARGET = TargetConfig(
     num_attention_heads=4, num_key_value_heads=2, head_dim=8, rope_theta=1e6, rms_norm_eps=1e-6,
     tie_word_embeddings=False,
 )  # fmt: skip
-
-
-def _params(model):
-    return {path: np.asarray(p.get_value()) for path, p in nnx.iter_graph(model) if isinstance(p, nnx.Param)}
 
 
 def _drafter(cfg=CFG, seed=0):
@@ -83,7 +80,7 @@ def test_fp32_round_trip_is_bit_exact_and_in_zlab_format(exported):
 
     cfg, loaded = load_drafter(out, TARGET)
     assert cfg == CFG
-    want, got = _params(drafter), _params(loaded)
+    want, got = param_arrays(drafter), param_arrays(loaded)
     assert want.keys() == got.keys()
     for path in want:
         np.testing.assert_array_equal(got[path], want[path], err_msg=str(path))
@@ -131,7 +128,7 @@ def test_bf16_round_trip_is_bit_exact(tmp_path):
     assert {source.shape_dtype(name)[1] for name in source.keys()} == {"BF16"}
     loaded_cfg, loaded = load_drafter(out, TARGET)
     assert loaded_cfg.dtype == "bfloat16"
-    want, got = _params(drafter), _params(loaded)
+    want, got = param_arrays(drafter), param_arrays(loaded)
     for path in want:
         assert got[path].dtype == jnp.bfloat16
         np.testing.assert_array_equal(got[path].view(np.uint16), want[path].view(np.uint16), err_msg=str(path))
@@ -141,7 +138,7 @@ def test_fp32_drafter_exported_as_bf16_loads_as_rounded_values(exported, tmp_pat
     drafter, _ = exported
     out = export_drafter(drafter, CFG, tmp_path, dtype="bfloat16")
     _, loaded = load_drafter(out, dtype="float32")
-    want, got = _params(drafter), _params(loaded)
+    want, got = param_arrays(drafter), param_arrays(loaded)
     for path in want:
         rounded = want[path].astype(ml_dtypes.bfloat16).astype(np.float32)
         np.testing.assert_array_equal(got[path], rounded, err_msg=str(path))
@@ -174,20 +171,6 @@ def test_draft_vocabulary_travels_beside_the_zlab_files(tmp_path):
     assert not (tmp_path / "w" / "model.safetensors").exists()  # refused before anything is written
 
 
-def _rewrite(src, dst, tensors=None, config=None):
-    """Copy the export at `src` to `dst`, with `tensors(dict)` / `config(dict)` edits applied in place."""
-    dst.mkdir()
-    arrays = load_file(str(src / "model.safetensors"))
-    raw = json.loads((src / "config.json").read_text())
-    if tensors:
-        tensors(arrays)
-    if config:
-        config(raw)
-    save_file(arrays, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    (dst / "config.json").write_text(json.dumps(raw))
-    return dst
-
-
 def _drop(name):
     return lambda t: t.pop(name)
 
@@ -211,7 +194,7 @@ TENSOR_CASES = {
 @pytest.mark.parametrize("case", sorted(TENSOR_CASES))
 def test_tensor_mismatch_is_named_and_nothing_is_read(exported, tmp_path, monkeypatch, case):
     edit, message = TENSOR_CASES[case]
-    bad = _rewrite(exported[1], tmp_path / "bad", tensors=edit)
+    bad = rewrite_export(exported[1], tmp_path / "bad", tensors=edit)
     reads = []
     original_get = SafetensorsSource.get
     monkeypatch.setattr(SafetensorsSource, "get", lambda self, name: reads.append(name) or original_get(self, name))
@@ -239,14 +222,15 @@ CONFIG_CASES = {
 @pytest.mark.parametrize("case", sorted(CONFIG_CASES))
 def test_config_problem_is_named(exported, tmp_path, case):
     edit, message = CONFIG_CASES[case]
-    bad = _rewrite(exported[1], tmp_path / "bad", config=edit)
+    bad = rewrite_export(exported[1], tmp_path / "bad", config=edit)
     with pytest.raises(ConfigError, match=message):
         load_drafter(bad)
     assert check_zlab_schema(bad)
 
 
 def test_fewer_layers_in_config_than_in_tensors(exported, tmp_path):
-    bad = _rewrite(exported[1], tmp_path / "bad", config=lambda c: c.update(num_hidden_layers=4, layer_types=None))
+    fewer = lambda c: c.update(num_hidden_layers=4, layer_types=None)  # noqa: E731
+    bad = rewrite_export(exported[1], tmp_path / "bad", config=fewer)
     with pytest.raises(CheckpointError, match=r"(?s)11 problems.*unexpected tensor 'layers\.4\."):
         load_drafter(bad)
 
@@ -319,7 +303,7 @@ def test_newer_config_layout_with_sliding_layers():
 
 
 def test_schema_flags_what_serving_engines_refuse(exported, tmp_path):
-    mixed = _rewrite(
+    mixed = rewrite_export(
         exported[1],
         tmp_path / "mixed",
         config=lambda c: c.update(layer_types=["sliding_attention"] + ["full_attention"] * 4, sliding_window=64),
@@ -345,7 +329,7 @@ def test_non_finite_weights_are_refused_at_load(exported, tmp_path):
         w[0, 0] = np.nan
         t["fc.weight"] = w
 
-    bad = _rewrite(exported[1], tmp_path / "nan", tensors=poison)
+    bad = rewrite_export(exported[1], tmp_path / "nan", tensors=poison)
     with pytest.raises(ValueError, match=r"nan/model.safetensors: fc.weight: 1 non-finite values"):
         load_drafter(bad, TARGET)
 

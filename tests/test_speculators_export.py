@@ -10,7 +10,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
+from conftest import param_arrays, rewrite_export
 from safetensors.numpy import load_file, save_file
 
 from dflash_model import speculators_format
@@ -74,10 +74,6 @@ def _layer_names(i):
     return {f"layers.{i}.{p}.weight" for p in parts}
 
 
-def _params(model):
-    return {path: np.asarray(p.get_value()) for path, p in nnx.iter_graph(model) if isinstance(p, nnx.Param)}
-
-
 def _drafter(cfg=CFG, seed=0):
     return randomize(build_drafter(cfg), seed=seed, std=0.1)
 
@@ -137,7 +133,7 @@ def test_fp32_round_trip_through_the_projects_loader(exported):
     drafter, out = exported
     cfg, loaded = load_drafter(out, TARGET)
     assert cfg == CFG
-    want, got = _params(drafter), _params(loaded)
+    want, got = param_arrays(drafter), param_arrays(loaded)
     assert want.keys() == got.keys()
     for path in want:
         np.testing.assert_array_equal(got[path], want[path], err_msg=str(path))
@@ -160,7 +156,7 @@ def test_shipped_drafter_round_trips_exactly_with_equal_logits(smollm2, tmp_path
     got_cfg, got = load_drafter(out, target_cfg)
     assert got_cfg == cfg
     assert load_draft_vocab(out, cfg.vocab_size) == vocab  # draft_vocab.json travels beside it, in its order
-    want, have = _params(shipped), _params(got)
+    want, have = param_arrays(shipped), param_arrays(got)
     assert want.keys() == have.keys()
     for path in want:
         assert have[path].dtype == want[path].dtype == jnp.bfloat16
@@ -176,20 +172,6 @@ def test_shipped_drafter_round_trips_exactly_with_equal_logits(smollm2, tmp_path
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def _rewrite(src, dst, tensors=None, config=None):
-    """A copy of the export at `src` in `dst`, with `tensors(dict)` / `config(dict)` edits applied in place."""
-    dst.mkdir()
-    arrays = load_file(str(src / "model.safetensors"))
-    raw = json.loads((src / "config.json").read_text())
-    if tensors:
-        tensors(arrays)
-    if config:
-        config(raw)
-    save_file(arrays, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    (dst / "config.json").write_text(json.dumps(raw))
-    return dst
-
-
 def _pop(dotted):
     def edit(raw):
         *head, last = dotted.split(".")
@@ -200,7 +182,7 @@ def _pop(dotted):
 
 @pytest.mark.parametrize("field", REQUIRED)
 def test_a_missing_required_field_is_refused_by_name(exported, tmp_path, field):
-    bad = _rewrite(exported[1], tmp_path / "bad", config=_pop(field))
+    bad = rewrite_export(exported[1], tmp_path / "bad", config=_pop(field))
     with pytest.raises(ConfigError, match=re.escape(f"missing required field '{field}'")):
         load_drafter(bad, TARGET)
 
@@ -236,13 +218,13 @@ CONFIG_CASES = {
 @pytest.mark.parametrize("case", sorted(CONFIG_CASES))
 def test_config_problem_is_named(exported, tmp_path, case):
     edit, message = CONFIG_CASES[case]
-    bad = _rewrite(exported[1], tmp_path / "bad", config=edit)
+    bad = rewrite_export(exported[1], tmp_path / "bad", config=edit)
     with pytest.raises(ConfigError, match=message):
         load_drafter(bad, TARGET)
 
 
 def test_depth_comes_from_the_target_when_the_config_has_none(exported, tmp_path):
-    bad = _rewrite(exported[1], tmp_path / "bad", config=_pop("num_target_layers"))
+    bad = rewrite_export(exported[1], tmp_path / "bad", config=_pop("num_target_layers"))
     with pytest.raises(ConfigError, match="'num_target_layers'"):
         load_drafter(bad)
     assert load_drafter(bad, TARGET)[0] == CFG
@@ -260,13 +242,13 @@ TENSOR_CASES = {
 @pytest.mark.parametrize("case", sorted(TENSOR_CASES))
 def test_tensor_problem_is_named(exported, tmp_path, case):
     edit, message = TENSOR_CASES[case]
-    bad = _rewrite(exported[1], tmp_path / "bad", tensors=edit)
+    bad = rewrite_export(exported[1], tmp_path / "bad", tensors=edit)
     with pytest.raises(CheckpointError, match=message):
         load_drafter(bad, TARGET)
 
 
 def test_a_tensor_in_two_shards_is_refused(exported, tmp_path):
-    bad = _rewrite(exported[1], tmp_path / "bad")
+    bad = rewrite_export(exported[1], tmp_path / "bad")
     save_file({"fc.weight": load_file(str(bad / "model.safetensors"))["fc.weight"]}, str(bad / "model-2.safetensors"))
     with pytest.raises(CheckpointError, match="tensor 'fc.weight' also in"):
         load_drafter(bad, TARGET)
@@ -286,11 +268,11 @@ def test_verifier_copies_and_a_reduced_vocabulary_from_d2t(exported, tmp_path):
         )
         t.update({"d2t": d2t, "t2d": t2d})
 
-    good = _rewrite(exported[1], tmp_path / "good", tensors=add, config=_set("draft_vocab_size", 4))
+    good = rewrite_export(exported[1], tmp_path / "good", tensors=add, config=_set("draft_vocab_size", 4))
     cfg, loaded = load_drafter(good, TARGET)
     assert cfg == CFG
-    for path, value in _params(exported[0]).items():
-        np.testing.assert_array_equal(_params(loaded)[path], value)
+    for path, value in param_arrays(exported[0]).items():
+        np.testing.assert_array_equal(param_arrays(loaded)[path], value)
     assert load_draft_vocab(good, 128) == (3, 7, 64, 100)
 
     (good / "draft_vocab.json").write_text(json.dumps({"token_ids": [3, 7, 64, 99]}))
@@ -301,7 +283,7 @@ def test_verifier_copies_and_a_reduced_vocabulary_from_d2t(exported, tmp_path):
         add(t)
         t.pop("d2t")
 
-    bad = _rewrite(exported[1], tmp_path / "no-d2t", tensors=no_d2t, config=_set("draft_vocab_size", 4))
+    bad = rewrite_export(exported[1], tmp_path / "no-d2t", tensors=no_d2t, config=_set("draft_vocab_size", 4))
     with pytest.raises(CheckpointError, match="missing tensor 'd2t'"):
         load_drafter(bad, TARGET)
 
@@ -309,7 +291,7 @@ def test_verifier_copies_and_a_reduced_vocabulary_from_d2t(exported, tmp_path):
         add(t)
         t["t2d"] = speculators_format.vocab_mappings([1, 2, 3, 4], 128)[1]
 
-    bad = _rewrite(exported[1], tmp_path / "t2d", tensors=other_t2d, config=_set("draft_vocab_size", 4))
+    bad = rewrite_export(exported[1], tmp_path / "t2d", tensors=other_t2d, config=_set("draft_vocab_size", 4))
     with pytest.raises(ConfigError, match="t2d marks"):
         load_draft_vocab(bad, 128)
 
@@ -342,5 +324,5 @@ def test_export_format_both_writes_both_directories(tmp_path):
     raw = json.loads((spec / "config.json").read_text())
     assert raw["speculators_config"]["verifier"] == {"name_or_path": "org/m", "architectures": ["Qwen3ForCausalLM"]}
     a, b = load_drafter(zlab)[1], load_drafter(spec)[1]
-    for path, value in _params(a).items():
-        np.testing.assert_array_equal(_params(b)[path], value)
+    for path, value in param_arrays(a).items():
+        np.testing.assert_array_equal(param_arrays(b)[path], value)
