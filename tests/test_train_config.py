@@ -36,6 +36,8 @@ def test_smollm2_default_is_k64():
     assert cfg.drafter.init == "drafters/smollm2-135m-dflash" == cfg.eval.shipped and cfg.drafter.init_vocab
     assert cfg.draft_vocab == 8192 and cfg.drafter.num_layers == 4
     assert cfg.eval.num_prompts >= 12 and list(cfg.eval.also_blocks) == [16]
+    with pytest.raises(ValueError, match=r"eval.also_blocks=\[128\]: 128 is not a block size in 2..64"):
+        load_config("smollm2-135m", ["eval.also_blocks=[128]"])
     # The shipped drafter's recipe no longer inherits the main job's config: its first stage still starts from
     # the copy circuit and trains every slot.
     long = load_config("drafters/smollm2-135m-dflash/recipe/long.yml")
