@@ -167,6 +167,7 @@ _NULLABLE = {
     "train.steps": (int, 1),
     "data.limit": (int, 1),
     "eval.block": (int, 2),
+    "eval.records": (int, 1),
     "drafter.intermediate_size": (int, 1),
     "drafter.sliding_window": (int, 1),
     "drafter.init_logit_std": (float, 0.0),
@@ -216,7 +217,7 @@ _AT_MOST = {
     "eval.block": 1024,
     "eval.ngram_block": 1024,
 }
-DATA_SOURCES = ("synthetic", "regenerate", "sharegpt")
+DATA_SOURCES = ("synthetic", "regenerate", "mix", "sharegpt")
 
 
 def _leaves(tree: dict, prefix: str = ""):
@@ -338,7 +339,8 @@ def _validate(cfg: dict, schema: dict | None = None) -> None:
     _check_late_files(cfg)
 
 
-EVAL_SETS = ("heldout", "humaneval", "gsm8k", "mtbench")  # eval.prompts names; anything else is a JSONL path
+# eval.prompts names; anything else is a JSONL path
+EVAL_SETS = ("heldout", "sharegpt", "humaneval", "gsm8k", "mtbench")
 
 
 def _check_late_files(cfg: dict) -> None:
@@ -356,9 +358,23 @@ def _check_late_files(cfg: dict) -> None:
             raise ValueError(
                 f"eval.shipped={shipped!r}: no drafter directory there (no config.json); give one, or null for none"
             )
+    if cfg["data"]["source"] == "mix":
+        _check_mix(cfg["data"]["mix"])
     regen = cfg["data"]["regenerate"]["prompts"]
     if cfg["data"]["source"] == "regenerate" and regen != "sharegpt" and not Path(str(regen)).expanduser().is_file():
         raise ValueError(f"data.regenerate.prompts={regen!r}: no such file, and not 'sharegpt'")
+
+
+def _check_mix(parts) -> None:
+    """data.mix for source=mix: a non-empty list of data/mix.py parts whose files exist (named by key if not)."""
+    from data.mix import parse_part
+
+    if not isinstance(parts, list) or not parts:
+        raise ValueError(f"data.mix={parts!r}: data.source=mix needs a list of parts (FILE[+FILE...][:take=N])")
+    for spec in parts:
+        for f in parse_part(str(spec)).files:
+            if not Path(f).expanduser().is_file():
+                raise ValueError(f"data.mix part {spec!r}: no such file {f!r}")
 
 
 def cli_overrides(argv: list[str]) -> tuple[str, list[str]]:

@@ -119,6 +119,8 @@ def _run(name: str, overrides: list[str], cfg, lock) -> dict:
         path, heldout = workflow.prepare_regenerated(cfg, target, tokenizer, _target_name(cfg))
         cfg = load_config(name, [*overrides, f"data.source={path}", f"data.tokenizer={tok_source}"])
     else:
+        if cfg.data.source == "mix":
+            cfg = load_config(name, [*overrides, f"data.source={workflow.prepare_mix(cfg.data)}"])
         workflow.announce_start(cfg)
     log.info("resolved config (%s):\n%s", name, cfg.dump())
 

@@ -1,14 +1,16 @@
 """What a full training run does around the Trainer: build its data with the target, say what it will do, and
 evaluate the exported drafter at the end.
 
-`train/run.py` calls, in order: `load_target_model`, `prepare_regenerated` (when data.source is `regenerate`),
-`announce`, the Trainer, `final_eval`. Each step keeps its output on disk (regenerated JSONL in the cache,
-checkpoints, export, eval JSON), so a second run of the same config skips what is already done.
+`train/run.py` calls, in order: `load_target_model`, `prepare_regenerated` (when data.source is `regenerate`) or
+`prepare_mix` (when it is `mix`), `announce`, the Trainer, `final_eval`. Each step keeps its output on disk
+(regenerated or mixed JSONL in the cache, checkpoints, export, eval JSON), so a second run of the same config skips
+what is already done.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import time
@@ -18,9 +20,10 @@ import jax
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from data.conversations import load_conversations
+from data.conversations import iter_jsonl, load_conversations
+from data.mix import mix, parse_part
 from dflash_model import sharding as shd
-from dflash_model.files import atomic_write_text, cache_root, run_path
+from dflash_model.files import atomic_write_bytes, atomic_write_text, cache_root, run_path
 from dflash_model.target import is_maxtext
 from dflash_model.tokenizer import load_tokenizer, stop_token_ids
 from infer.eval import dataset_messages, encode, format_comparison, format_table, plot_comparison, run_comparison
@@ -115,6 +118,19 @@ def prepare_regenerated(cfg, model, tok, target_name: str) -> tuple[Path, list[d
     return out, heldout_prompts(held)
 
 
+def prepare_mix(dcfg) -> Path:
+    """data.source=mix: data.mix's parts of reply files (data/mix.py) shuffled with data.mix_seed into one JSONL in
+    the cache, named by the digest of its contents (the same parts and seed reuse it; any change writes another)."""
+    rows = mix([parse_part(str(p)) for p in dcfg.mix], int(dcfg.mix_seed))
+    body = "".join(rows).encode("utf-8")
+    out = cache_root() / "mixed" / f"mix-{hashlib.sha256(body).hexdigest()[:16]}.jsonl"
+    if not out.is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(out, body)
+    log.info("data.mix: %d rows from %d parts -> %s", len(rows), len(dcfg.mix), out)
+    return out
+
+
 # ----------------------------------------------------------------------------------------------------------
 # The plan, said up front.
 
@@ -159,9 +175,27 @@ def eval_rows(cfg, heldout: list[dict] | None) -> list[dict]:
         if heldout is None:
             raise ValueError("eval.prompts=heldout needs data.source=regenerate (it holds prompts out of training)")
         rows = heldout
+    elif e.prompts == "sharegpt":
+        convs, _ = load_conversations("sharegpt", limit=e.records, require_assistant=False)
+        rows = heldout_prompts(convs)
     else:
         rows = dataset_messages(str(e.prompts))
-    return rows  # final_eval drops prompts over eval.max_prompt_tokens, then keeps eval.num_prompts
+    return untrained(rows, cfg.data.source)  # final_eval then drops long prompts and keeps eval.num_prompts
+
+
+def untrained(rows: list[dict], source) -> list[dict]:
+    """`rows` less those of a conversation (by record id, `conversation_of`) that the training JSONL `source` holds:
+    an eval prompt must not be a turn of a conversation trained on. Sources that are not a JSONL file (synthetic
+    data, a packaged set) pass through."""
+    path = Path(str(source)).expanduser()
+    if path.suffix not in (".jsonl", ".gz") or not path.is_file():
+        return rows
+    trained = {conversation_of(r["id"]) for _, r in iter_jsonl(path) if isinstance(r, dict) and "id" in r}
+    keep = [r for r in rows if conversation_of(r["id"]) not in trained]
+    if len(keep) < len(rows):
+        dropped = len(rows) - len(keep)
+        log.info("eval: %d of %d prompts are of conversations trained on (%s): dropped", dropped, len(rows), path.name)
+    return keep
 
 
 def end_of_run_eval(cfg, trainer, summary: dict, tokenizer, heldout: list[dict] | None) -> dict | None:
