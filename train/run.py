@@ -4,9 +4,9 @@
 mesh of the pod's size (fake CPU devices) and prints memory per device against the chip's HBM and the step's FLOPs
 (train/plan.py); `--pod` also takes DEVICES[:HBM_GIB].
 
-The default config does the whole job on the embedded SmolLM2-135M-Instruct: regenerate ShareGPT replies with
-the target (cached), train, checkpoint, export in the z-lab format, and evaluate against plain decoding and
-n-gram drafting on held-out prompts (train/workflow.py).
+The default config does the whole job on the embedded SmolLM2-135M-Instruct: mix the target's committed replies
+(cached), widen the shipped drafter, checkpoint, export in the z-lab format, and evaluate against the shipped
+drafter, plain decoding and n-gram drafting on prompts no drafter trained on (train/workflow.py).
 """
 
 from __future__ import annotations
@@ -16,11 +16,9 @@ import os
 import sys
 from pathlib import Path
 
-# Run as a script, Python puts train/ first on sys.path, where train/data.py would shadow the `data` package:
-# the repository root goes first instead.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from dflash_model.files import atomic_write_text  # noqa: E402
+# Run as a script, Python puts train/ first on sys.path: no module there may share a name with a top-level package
+# (`data`, `infer`, ...), which resolve through the editable install of scripts/venv.sh.
+from dflash_model.files import atomic_write_text
 
 
 def _target_name(cfg) -> str:
