@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from infer.engine import _loop_ms
 from infer.replies import continue_rows, load_index
-from infer.spec import _loop_ms
 
 
 def lookup_ms(index, history_BC, n_B, steps: int, reps: int = 200) -> float:

@@ -79,8 +79,8 @@ def in_loop_points(target_model, ks: list[int], contexts: list[int], reps: int, 
     """ms of a verify forward at each K inside the decode loop (`Engine.calibrate`), at each context."""
     import numpy as np
 
+    from infer.engine import Engine
     from infer.proposers import NGramProposer
-    from infer.spec import Engine
 
     widths = sorted(set(ks))
     engine = Engine(

@@ -38,12 +38,21 @@ from data.conversations import iter_jsonl
 from dflash_model.cli import run_main
 from dflash_model.files import atomic_write_text, local_dir, push, run_path
 from dflash_model.tokenizer import chat_prompt_ids, stop_token_ids
-from infer.loading import NGRAM_BLOCK, at_least, check_prompt_ids, fit_prompts, load_draft_spec, load_target_spec
+from infer.engine import Engine
+from infer.loading import (
+    DRAFT_HELP,
+    NGRAM_BLOCK,
+    at_least,
+    check_prompt_ids,
+    fit_prompts,
+    load_draft_spec,
+    load_target_spec,
+)
 from infer.metrics import conditional_acceptance, strict_dumps, survival, tau_per_prompt, tau_pooled
 from infer.plain import bucket_length
 from infer.projection import HEADLINE_PROFILE, Profile, available_profiles, load_profiles, project
 from infer.proposers import Stateless
-from infer.spec import MAX_BLOCK, Engine, check_positions
+from infer.spec import MAX_BLOCK, check_positions
 
 DATASETS = ("humaneval", "gsm8k", "mtbench")
 TAU_NOTE = (
@@ -540,11 +549,7 @@ def parse_args(argv=None):
     ap.add_argument(
         "--draft",
         action="append",
-        help="none | ngram | replies:FILE (prompt lookup, then a reply file of python -m infer.replies) | "
-        "lookuptree:FILE (a draft tree grown from both lookups; lookuptreeN:FILE: N nodes; lookuptreeauto:FILE: "
-        "its size chosen at start-up from measured costs) | random | "
-        "a drafter directory | hybrid:SPEC | adaptive:SPEC | tree:DIR (or treeN:DIR, "
-        "a draft tree of N nodes) | fullvocab:DIR (ignore the directory's draft_vocab.json), optionally SPEC@K, "
+        help=f"the proposer, {DRAFT_HELP}; optionally SPEC@K, "
         "optionally NAME=SPEC to name its row; "
         "repeat to compare several in one interleaved run (one plain baseline)",
     )

@@ -16,8 +16,17 @@ import sys
 
 from dflash_model.cli import run_main
 from dflash_model.tokenizer import chat_prompt_ids, stop_token_ids
-from infer.loading import at_least, check_prompt_ids, fit_prompts, load_draft_spec, load_target_spec, non_negative
-from infer.spec import MAX_BLOCK, Engine, check_positions
+from infer.engine import Engine
+from infer.loading import (
+    DRAFT_HELP,
+    at_least,
+    check_prompt_ids,
+    fit_prompts,
+    load_draft_spec,
+    load_target_spec,
+    non_negative,
+)
+from infer.spec import MAX_BLOCK, check_positions
 
 
 def parse_args(argv=None):
@@ -28,12 +37,7 @@ def parse_args(argv=None):
     ap.add_argument(
         "--draft",
         default="none",
-        help="drafter directory, none, ngram, replies:FILE (prompt lookup, then the target's past replies), "
-        "lookuptree:FILE (a draft tree grown from both lookups; lookuptreeN:FILE: N nodes; lookuptreeauto:FILE: "
-        "its size chosen at start-up), random, "
-        "hybrid:SPEC (n-gram where it matches, else the drafter) or "
-        "adaptive:SPEC (verify a width chosen per round from measured costs), tree:DIR (a draft tree) or "
-        "fullvocab:DIR (ignore the directory's draft_vocab.json)",
+        help=f"the proposer: {DRAFT_HELP}",
     )
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")

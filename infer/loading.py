@@ -7,8 +7,9 @@ import dataclasses
 import json
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from data.assets import smollm2_gguf
 from dflash_model import drafter_weights
@@ -17,9 +18,10 @@ from dflash_model.drafter import DRAFTER_PRESETS, build_drafter, drafter_config_
 from dflash_model.tokenizer import load_tokenizer
 from dflash_model.weights import load_target, load_target_config
 from infer import proposers
+from infer.engine import checked_tree_prior
 from infer.plain import PROMPT_BUCKETS
 from infer.replies import load_index
-from infer.spec import MAX_BLOCK, MAX_TREE_NODES, check_positions, checked_tree_prior
+from infer.spec import MAX_BLOCK, MAX_TREE_NODES, check_positions
 
 NGRAM_BLOCK = 8  # default K for prompt lookup: cheap drafts, and verify costs about the same up to here
 TREE_NODES = 16  # default draft-tree size (nodes besides the root) of 'tree:DIR'
@@ -90,10 +92,10 @@ class Draft:
     proposer: Any
     params: Any
     block_size: int  # the K to use (the drafter's trained K unless --block says otherwise)
-    adaptive: bool = False  # verify a width chosen per round (infer.spec.choose_width), not always K
+    adaptive: bool = False  # verify a width chosen per round (infer.adaptive.choose_width), not always K
     tree_nodes: int | None = None  # verify a draft tree of this many nodes per round (infer.tree), not a chain
     # {tree size: expected committed tokens per round}: the engine chooses its tree size among these at start-up
-    # from the costs it measures (infer.spec.Engine.calibrate)
+    # from the costs it measures (infer.engine.Engine.calibrate)
     tree_prior: dict[int, float] | None = None
 
     @property
@@ -102,7 +104,7 @@ class Draft:
         return max(self.block_size, (self.tree_nodes or 0) + 1)
 
     def engine_options(self) -> dict:
-        """The `infer.spec.Engine` keywords this draft decodes with."""
+        """The `infer.engine.Engine` keywords this draft decodes with."""
         if self.tree_prior is not None:
             return dict(tree_prior=self.tree_prior)
         return dict(block_size=self.block_size, adaptive=self.adaptive, tree_nodes=self.tree_nodes)
@@ -120,6 +122,159 @@ def tree_prior(replies_file: str) -> dict[int, float] | None:
         raise ValueError(f"{path}: expected {{'tau': {{tree size: tokens per round}}}} ({e})") from e
 
 
+class DraftForm(NamedTuple):
+    """One form of a --draft value: `pattern` (a regex over the whole value) -> `build(match, ctx)`."""
+
+    usage: str
+    meaning: str
+    pattern: str
+    build: Callable[[re.Match, _Ctx], Draft]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ctx:
+    """What every form is built with: the whole value (for messages) and `load_draft_spec`'s options."""
+
+    spec: str
+    target_cfg: Any
+    block: int | None
+    seed: int
+    dtype: str | None
+    zero_features: bool
+
+    def inner(self, spec: str) -> Draft:
+        """The spec a prefix wraps, with this value's options."""
+        return load_draft_spec(
+            spec, self.target_cfg, self.block, self.seed, dtype=self.dtype, zero_features=self.zero_features
+        )
+
+    def refuse(self, why: str) -> ValueError:
+        return ValueError(f"--draft {self.spec!r}: {why}")
+
+
+def _none(m, c: _Ctx) -> Draft:
+    if c.block not in (None, 1):
+        raise ValueError("--draft none decodes one token per step: --block must be 1 or left out")
+    return Draft("none", proposers.NoProposer(), None, 1)
+
+
+def _ngram(m, c: _Ctx) -> Draft:
+    return Draft("ngram", proposers.NGramProposer(), None, c.block or NGRAM_BLOCK)
+
+
+def _random(m, c: _Ctx) -> Draft:
+    cfg, drafter = random_drafter(c.target_cfg, seed=c.seed)
+    return dflash_draft("random", drafter, cfg, c.block, zero_features=c.zero_features)
+
+
+def _directory(m, c: _Ctx) -> Draft:
+    cfg, drafter = drafter_weights.load_drafter(c.spec, c.target_cfg, dtype=c.dtype)
+    vocab = drafter_weights.load_draft_vocab(c.spec, cfg.vocab_size)
+    return dflash_draft("dflash", drafter, cfg, c.block, zero_features=c.zero_features, vocab=vocab)
+
+
+def _fullvocab(m, c: _Ctx) -> Draft:
+    # The drafter over the whole vocabulary, ignoring its draft_vocab.json (what a z-lab server does).
+    inner = c.inner(m[1])
+    if not isinstance(inner.proposer, proposers.DFlashProposer):
+        raise c.refuse("fullvocab: applies to a DFlash drafter directory")
+    proposer = dataclasses.replace(inner.proposer, vocab=None)
+    return dataclasses.replace(inner, name=f"fullvocab-{inner.name}", proposer=proposer)
+
+
+def _adaptive(m, c: _Ctx) -> Draft:
+    inner = c.inner(m[1])
+    if inner.block_size < 2:
+        raise c.refuse("plain decoding has no width to choose")
+    if inner.tree_prior is not None:
+        raise c.refuse("a tree size per run or a width per round, not both: lookuptreeN")
+    return dataclasses.replace(inner, name=f"adaptive-{inner.name}", adaptive=True)
+
+
+def _hybrid(m, c: _Ctx) -> Draft:
+    # Prompt lookup where the context has a match, this drafter's block elsewhere (proposers.HybridProposer).
+    inner = c.inner(m[1])
+    return dataclasses.replace(inner, name="hybrid", proposer=proposers.HybridProposer(inner.proposer))
+
+
+def _replies(m, c: _Ctx) -> Draft:
+    # Prompt lookup where the context matches, the target's past replies elsewhere (infer.replies).
+    return Draft(
+        "replies", proposers.ReplyLookupProposer(), load_index(m[1], c.target_cfg.vocab_size), c.block or NGRAM_BLOCK
+    )
+
+
+def _replies_hybrid(m, c: _Ctx) -> Draft:
+    # replies:FILE where it is confident, this drafter's block elsewhere (proposers.ReplyHybridProposer). FILE
+    # ends at the last "+" (the pattern is greedy): a reply file's name may hold one, a directory's may not.
+    index = load_index(m[1], c.target_cfg.vocab_size)
+    inner = c.inner(m[2])
+    if not isinstance(inner.proposer, proposers.DFlashProposer):
+        raise c.refuse("replies:FILE+DIR needs a DFlash drafter directory (or random)")
+    proposer = proposers.ReplyHybridProposer(inner.proposer)
+    return dataclasses.replace(inner, name="replies-hybrid", proposer=proposer, params=(inner.params, index))
+
+
+def _tree(m, c: _Ctx) -> Draft:
+    nodes = _tree_nodes(c.spec, m[1] or TREE_NODES)  # before the drafter loads
+    inner = c.inner(m[2])
+    if not hasattr(inner.proposer, "propose_top"):
+        raise c.refuse("a draft tree needs a DFlash drafter (a directory or random)")
+    return dataclasses.replace(inner, name=f"tree{nodes}-{inner.name}", tree_nodes=nodes)
+
+
+def _lookup_tree(m, c: _Ctx) -> Draft:
+    return _lookup_tree_draft(c.spec, m[1], m[2], c.target_cfg, c.block)
+
+
+# The --draft grammar, tried in order (a prefix form before the directory that would match anything). Its help
+# (`DRAFT_HELP`) and its one error message come from this table.
+DRAFT_FORMS = (
+    DraftForm("none", "plain decoding (one token a step)", r"none", _none),
+    DraftForm("ngram", f"prompt lookup (K={NGRAM_BLOCK} unless given)", r"ngram", _ngram),
+    DraftForm("random", "an untrained DFlash drafter made for the target", r"random", _random),
+    DraftForm(
+        "lookuptree[N|auto]:FILE",
+        "a tree of N nodes grown from prompt lookup and a reply file (auto: its "
+        "size chosen at start-up from the file's tree_tau.json)",
+        r"lookuptree(\d*|auto):(.+)",
+        _lookup_tree,
+    ),
+    DraftForm(
+        "tree[N]:DIR",
+        f"a draft tree of N (default {TREE_NODES}) nodes from the drafter's distributions (DDTree)",
+        r"tree(\d*):(.+)",
+        _tree,
+    ),
+    DraftForm(
+        "fullvocab:DIR",
+        "the drafter over the whole vocabulary (ignoring its draft_vocab.json, as a z-lab server runs it)",
+        r"fullvocab:(.+)",
+        _fullvocab,
+    ),
+    DraftForm("adaptive:SPEC", "verify a width chosen per round from measured costs", r"adaptive:(.+)", _adaptive),
+    DraftForm("hybrid:SPEC", "prompt lookup where the context matches, else the drafter", r"hybrid:(.+)", _hybrid),
+    DraftForm(
+        "replies:FILE+DIR",
+        "replies:FILE where it is confident, else the drafter's block",
+        r"replies:(.+)\+(.+)",
+        _replies_hybrid,
+    ),
+    DraftForm("replies:FILE", "prompt lookup, then a reply file of python -m infer.replies", r"replies:(.+)", _replies),
+    DraftForm("DIR", "a DFlash drafter directory (z-lab or speculators format)", r"(.+)", _directory),
+)
+DRAFT_HELP = "; ".join(f"{f.usage}: {f.meaning}" for f in DRAFT_FORMS)
+# What each prefix takes after its ':', named when it is missing (Path('') would be read as the current directory).
+_AFTER_PREFIX = {
+    "lookuptree": "a reply file",
+    "tree": "a drafter directory (or random)",
+    "fullvocab": "a drafter directory",
+    "adaptive": "a drafter spec (a directory, random, ...)",
+    "hybrid": "a drafter spec (a directory, random, ...)",
+    "replies": "a reply file",
+}
+
+
 def load_draft_spec(
     spec: str,
     target_cfg,
@@ -129,101 +284,23 @@ def load_draft_spec(
     dtype: str | None = None,
     zero_features: bool = False,
 ) -> Draft:
-    """'none' (plain decoding), 'ngram' (prompt lookup), 'random' (untrained DFlash drafter preset for the
-    target), a DFlash drafter directory, or 'hybrid:' + one of the last two (n-gram where it matches, else
-    DFlash); 'replies:FILE' (prompt lookup where the context matches, else a reply file's n-grams:
-    infer.replies), 'replies:FILE+DIR' (that where it is confident, else the drafter's block); 'adaptive:' before
-    any but none verifies a width chosen per round. dtype: a directory's compute dtype (default: as saved);
-    zero_features: the features.zero ablation (the drafter sees zeros instead of target features). 'tree:DIR' (or
-    'treeN:DIR', N nodes; default TREE_NODES) verifies a draft tree built from the drafter's per-position
-    distributions (DDTree) instead of its greedy block. 'lookuptreeN:FILE' verifies a tree of N nodes grown from
-    prompt lookup and a reply file (proposers.LookupTreeProposer), 'lookuptree:FILE' of LOOKUP_TREE_NODES;
-    'lookuptreeauto:FILE' one whose size the engine chooses at start-up from the file's TREE_PRIOR_FILE (tokens per
-    round by size) and the round costs it measures;
-    'adaptive:lookuptreeN:FILE' verifies its first w nodes, w chosen per round. A directory's draft_vocab.json (the
-    draft vocabulary it was trained on) restricts its proposals to those tokens; 'fullvocab:DIR' ignores it."""
-
-    def load_inner(inner_spec: str) -> Draft:  # the spec a prefix wraps, with this call's options
-        return load_draft_spec(inner_spec, target_cfg, block, seed, dtype=dtype, zero_features=zero_features)
-
+    """A --draft value (one of `DRAFT_FORMS`) as a Draft at K = `block` (default: the drafter's own). dtype: a
+    directory's compute dtype (default: as saved); zero_features: the features.zero ablation (the drafter sees zeros
+    instead of target features). A directory's draft_vocab.json (the draft vocabulary it was trained on) restricts
+    its proposals to those tokens."""
     if block is not None and not 1 <= block <= MAX_BLOCK:
         raise ValueError(f"--draft {spec!r}: block size K={block} is outside 1..{MAX_BLOCK}")
-    lookup_tree = re.match(r"lookuptree(\d*|auto):(.*)", spec)
-    if lookup_tree:
-        return _lookup_tree_draft(spec, lookup_tree[1], _named(spec, lookup_tree[2], "a reply file"), target_cfg, block)
-    tree = re.match(r"tree(\d*):(.*)", spec)
-    if tree:
-        nodes = _tree_nodes(spec, tree[1] or TREE_NODES)  # before the drafter loads
-        inner = load_inner(_named(spec, tree[2], "a drafter directory (or random)"))
-        if not hasattr(inner.proposer, "propose_top"):
-            raise ValueError(f"--draft {spec!r}: a draft tree needs a DFlash drafter (a directory or random)")
-        return dataclasses.replace(inner, name=f"tree{nodes}-{inner.name}", tree_nodes=nodes)
-    prefix = re.match(r"(fullvocab|adaptive|hybrid|replies):", spec)
-    if prefix and not spec[prefix.end() :]:
-        what = "a reply file" if prefix[1] == "replies" else "a drafter spec (a directory, random, ...)"
-        raise ValueError(f"--draft {spec!r}: {prefix[0]} needs {what} after the ':'")
-    if spec.startswith("fullvocab:"):
-        # The drafter over the whole vocabulary, ignoring its draft_vocab.json (what a z-lab server does).
-        inner = load_inner(spec.split(":", 1)[1])
-        if not isinstance(inner.proposer, proposers.DFlashProposer):
-            raise ValueError(f"--draft {spec!r}: fullvocab: applies to a DFlash drafter directory")
-        proposer = dataclasses.replace(inner.proposer, vocab=None)
-        return dataclasses.replace(inner, name=f"fullvocab-{inner.name}", proposer=proposer)
-    if spec.startswith("adaptive:"):
-        inner = load_inner(spec.split(":", 1)[1])
-        if inner.block_size < 2:
-            raise ValueError(f"--draft {spec!r}: plain decoding has no width to choose")
-        if inner.tree_prior is not None:
-            raise ValueError(f"--draft {spec!r}: a tree size per run or a width per round, not both: lookuptreeN")
-        return dataclasses.replace(inner, name=f"adaptive-{inner.name}", adaptive=True)
-    if spec == "none":
-        if block not in (None, 1):
-            raise ValueError("--draft none decodes one token per step: --block must be 1 or left out")
-        return Draft("none", proposers.NoProposer(), None, 1)
-    if spec == "ngram":
-        k = block or NGRAM_BLOCK
-        return Draft("ngram", proposers.NGramProposer(), None, k)
-    if spec.startswith("replies:"):
-        # Prompt lookup where the context matches, the target's past replies elsewhere (infer.replies); with
-        # "+DIR", this drafter's block where neither is confident (proposers.ReplyHybridProposer).
-        # FILE ends at the last "+": a reply file's name may hold one, a drafter directory's name may not.
-        rest = spec.split(":", 1)[1]
-        file, plus, drafter_dir = rest.rpartition("+")
-        if not plus:
-            file, drafter_dir = rest, ""
-        elif not drafter_dir:
-            raise ValueError(f"--draft {spec!r}: replies:FILE+DIR needs a drafter directory after the '+'")
-        index = load_index(file, target_cfg.vocab_size)
-        if not drafter_dir:
-            return Draft("replies", proposers.ReplyLookupProposer(), index, block or NGRAM_BLOCK)
-        inner = load_inner(drafter_dir)
-        if not isinstance(inner.proposer, proposers.DFlashProposer):
-            raise ValueError(f"--draft {spec!r}: replies:FILE+DIR needs a DFlash drafter directory (or random)")
-        proposer = proposers.ReplyHybridProposer(inner.proposer)
-        return dataclasses.replace(inner, name="replies-hybrid", proposer=proposer, params=(inner.params, index))
-    if spec.startswith("hybrid:"):
-        # Prompt lookup where the context has a match, this drafter's block elsewhere (proposers.HybridProposer).
-        inner = load_inner(spec.split(":", 1)[1])
-        return dataclasses.replace(inner, name="hybrid", proposer=proposers.HybridProposer(inner.proposer))
-    if spec == "random":
-        cfg, drafter = random_drafter(target_cfg, seed=seed)
-    else:
-        if not Path(spec).is_dir():
-            raise ValueError(
-                f"--draft {spec!r}: expected none, ngram, random, a drafter directory, hybrid:DIR, replies:FILE "
-                "or replies:FILE+DIR"
-            )
-        cfg, drafter = drafter_weights.load_drafter(spec, target_cfg, dtype=dtype)
-        vocab = drafter_weights.load_draft_vocab(spec, cfg.vocab_size)
-        return dflash_draft("dflash", drafter, cfg, block, zero_features=zero_features, vocab=vocab)
-    return dflash_draft("random", drafter, cfg, block, zero_features=zero_features)
-
-
-def _named(spec: str, rest: str, what: str) -> str:
-    """The part of a --draft value after its prefix, refused when empty (Path('') is the current directory)."""
-    if not rest:
-        raise ValueError(f"--draft {spec!r}: needs {what} after the ':'")
-    return rest
+    ctx = _Ctx(spec, target_cfg, block, seed, dtype, zero_features)
+    empty = re.fullmatch(rf"({'|'.join(_AFTER_PREFIX)})(\d*|auto):", spec)
+    if empty:
+        raise ctx.refuse(f"{empty[1]}: needs {_AFTER_PREFIX[empty[1]]} after the ':'")
+    if re.fullmatch(r"replies:.+\+", spec):
+        raise ctx.refuse("replies:FILE+DIR needs a drafter directory after the '+'")
+    for form in DRAFT_FORMS:
+        m = re.fullmatch(form.pattern, spec)
+        if m and (form.build is not _directory or Path(spec).is_dir()):
+            return form.build(m, ctx)
+    raise ctx.refuse("expected one of " + ", ".join(f.usage for f in DRAFT_FORMS))
 
 
 def _tree_nodes(spec: str, text) -> int:

@@ -240,9 +240,11 @@ def load_index(path, vocab_size: int, *, min_n: int = 2, max_n: int = 4) -> Repl
 
 
 def main(argv=None) -> int:
+    from data.assets import smollm2_gguf
     from data.conversations import load_conversations
     from data.pipeline import tokenize_all
-    from infer.loading import load_target_spec
+    from dflash_model.tokenizer import load_tokenizer
+    from dflash_model.weights import load_target_config
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], prog="python -m infer.replies")
     ap.add_argument("--target", default="smollm2", help="smollm2, an HF model directory or a .gguf (its tokenizer)")
@@ -253,18 +255,22 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True, type=Path, help="the reply file (.npz) to write")
     ap.add_argument("--base", type=Path, default=None, help="a reply file whose replies come first (to grow it)")
     args = ap.parse_args(argv)
-    target = load_target_spec(args.target)
-    if target.tokenizer is None:
-        raise SystemExit(f"--target {args.target}: no tokenizer, so its chat template cannot be applied")
+    # The target's tokenizer and vocabulary only: its weights are not needed to store replies.
+    path = smollm2_gguf() if args.target == "smollm2" else Path(args.target)
+    vocab_size = load_target_config(path).vocab_size
+    try:
+        tokenizer = load_tokenizer(path)
+    except (FileNotFoundError, OSError, ValueError) as e:
+        raise SystemExit(f"--target {args.target}: no tokenizer to apply the chat template with ({e})") from None
     convs, _ = load_conversations(args.input, limit=args.limit, skip=args.skip)
-    records, _ = tokenize_all(convs, target.tokenizer, args.max_len)
+    records, _ = tokenize_all(convs, tokenizer, args.max_len)
     arrays = stored_replies(records)
     if args.base is not None:
         try:
-            arrays = concat_replies(load_replies(args.base, target.config.vocab_size), arrays)
+            arrays = concat_replies(load_replies(args.base, vocab_size), arrays)
         except ValueError as e:
             raise SystemExit(f"--base {e}") from None
-    save_replies(args.out, arrays, target.config.vocab_size)
+    save_replies(args.out, arrays, vocab_size)
     replies, tokens = len(arrays["offsets"]) - 1, int(arrays["loss_mask"].sum())
     size_mb = args.out.stat().st_size / 1e6
     print(f"{args.out}: {replies} replies, {tokens} reply tokens, {size_mb:.2f} MB", file=sys.stderr)

@@ -58,8 +58,8 @@ def test_block_and_tree_sizes_have_an_upper_bound(tiny_cfg, tmp_path, capsys):
         load_draft_spec(f"lookuptree100000:{tmp_path / 'no-such.npz'}", tiny_cfg)
     with pytest.raises(ValueError, match=r"a draft tree of 5000 nodes; give 1..1024"):
         load_draft_spec("tree5000:random", tiny_cfg)
+    from infer.engine import Engine
     from infer.proposers import NGramProposer
-    from infer.spec import Engine
 
     tiny = load_target_spec(TINY).model
     with pytest.raises(ValueError, match="block size K=2000 is more than 1024"):
@@ -82,7 +82,7 @@ def test_lengths_past_the_target_positions_are_refused_before_the_weights_load(t
 
 
 def test_the_engine_refuses_a_decode_past_the_target_positions():
-    from infer.spec import Engine
+    from infer.engine import Engine
 
     tiny = load_target_spec(TINY).model
     with pytest.raises(ValueError, match=r"max_new_tokens: a prompt of 1 \+ 3000 new tokens"):
@@ -228,7 +228,7 @@ def test_a_truncated_feature_cache_is_rebuilt_by_the_trainer(tmp_path, caplog):
 def test_draft_specs_that_name_nothing_are_refused_by_name(tiny_cfg, tmp_path, capsys):
     with pytest.raises(ValueError, match=r"--draft 'hybrid:': hybrid: needs a drafter spec"):
         load_draft_spec("hybrid:", tiny_cfg)
-    with pytest.raises(ValueError, match=r"--draft 'tree:': needs a drafter directory"):
+    with pytest.raises(ValueError, match=r"--draft 'tree:': tree: needs a drafter directory"):
         load_draft_spec("tree:", tiny_cfg)
     with pytest.raises(ValueError, match=r"--draft 'ngram@abc': the block size after '@' must be a whole number"):
         ev._drafts(["ngram@abc"], tiny_cfg, None, 0)

@@ -402,8 +402,8 @@ def test_jsonl_is_tokenized_once_then_cached(tmp_path, smol_tok, monkeypatch):
 def test_synthetic_rows_draw_anchors_by_the_same_rule():
     """The synthetic pipeline uses the one sampler: every anchor has a label after it and its block inside the
     row (once a different rule let synthetic blocks run past the row's end)."""
+    from train.batches import build_train_dataset
     from train.config import load_config
-    from train.data import build_train_dataset
 
     cfg = load_config("tiny", ["block_size=16", "num_anchors=64"])
     ds, _, _ = build_train_dataset(cfg, vocab_size=512, mask_token_id=511)

@@ -264,7 +264,7 @@ def _rows(batch) -> list[tuple]:
 
 
 def test_synthetic_global_batch_is_independent_of_process_count(monkeypatch):
-    from train.data import build_train_dataset
+    from train.batches import build_train_dataset
 
     cfg = load_config("tiny", ["data.num_records=40", "train.epochs=2"])
     kw = {"vocab_size": 512, "mask_token_id": 511}

@@ -35,3 +35,71 @@ def test_the_check_sees_a_backwards_import(tmp_path):
     f = tmp_path / "x.py"
     f.write_text("def f():\n    from train.trainer import Trainer\n")
     assert _imported_packages(f) == {"train"}
+
+
+def _imported_modules(path: Path, package: str) -> set[str]:
+    """Modules of `package` that `path` imports (`from infer import proposers` and `from infer.proposers import x`
+    both name infer.proposers), function-local imports included."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.startswith(f"{package}.")}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module == package:
+                out |= {f"{package}.{a.name}" for a in node.names}
+            elif node.module.startswith(f"{package}."):
+                out.add(node.module)
+    return out
+
+
+def import_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of the module graph (a list whose first and last names are the same), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: finished
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt) :] + [nxt]
+            if nxt not in state and (found := visit(nxt, [*path, nxt])):
+                return found
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (found := visit(start, [start])):
+            return found
+    return None
+
+
+def _module_graph(package: str) -> dict[str, set[str]]:
+    graph = {}
+    for f in sorted((REPO / package).rglob("*.py")):
+        parts = f.relative_to(REPO).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        graph[name] = _imported_modules(f, package) - {name}
+    return graph
+
+
+@pytest.mark.parametrize("package", ORDER)
+def test_no_import_cycle_inside_a_package(package):
+    cycle = import_cycle(_module_graph(package))
+    assert cycle is None, f"import cycle in {package}: {' -> '.join(cycle)}"
+
+
+def test_the_cycle_check_sees_a_function_local_cycle(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "a.py").write_text("from pkg.b import x\n")
+    (tmp_path / "pkg" / "b.py").write_text("def f():\n    from pkg import c\n")
+    (tmp_path / "pkg" / "c.py").write_text("import pkg.a\n")
+    graph = {f"pkg.{f.stem}": _imported_modules(f, "pkg") for f in sorted((tmp_path / "pkg").glob("*.py"))}
+    assert graph == {"pkg.a": {"pkg.b"}, "pkg.b": {"pkg.c"}, "pkg.c": {"pkg.a"}}
+    assert import_cycle(graph) == ["pkg.a", "pkg.b", "pkg.c", "pkg.a"]
+    assert import_cycle({"pkg.a": {"pkg.b"}, "pkg.b": set()}) is None
+
+
+def test_no_train_module_shadows_a_package():
+    """`python train/run.py` puts train/ first on sys.path, so a train/NAME.py would hide a top-level package NAME
+    (train/data.py once hid `data`)."""
+    shadowing = sorted(f.stem for f in (REPO / "train").glob("*.py") if (REPO / f.stem / "__init__.py").is_file())
+    assert not shadowing, f"train/ modules named like a top-level package: {shadowing}"

@@ -10,10 +10,10 @@ from conftest import FIXTURES, REPO
 from dflash_model.weights import load_target
 from infer import eval as ev
 from infer import generate
+from infer.engine import Engine
 from infer.loading import Draft, load_draft_spec
 from infer.plain import greedy_generate
 from infer.proposers import NGramProposer
-from infer.spec import Engine
 
 PROMPT = [5, 6, 7, 5, 6, 7, 5, 6, 9, 5, 6, 7]
 

@@ -13,7 +13,7 @@ from scipy import stats
 
 import infer.spec as spec
 from dflash_model.target import build_target, forward, randomize
-from infer.spec import Engine
+from infer.engine import Engine
 from infer.tree import grow_tree
 
 VOCAB, TEMP, K = 32, 1.0, 3

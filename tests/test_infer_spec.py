@@ -13,9 +13,10 @@ from conftest import tiny_target
 from dflash_model.drafter import DraftCache, build_drafter, drafter_config_for, extend_context
 from dflash_model.target import forward
 from infer import spec
+from infer.engine import Engine
 from infer.plain import greedy_generate, truncate_at_stop
 from infer.proposers import SOURCES, DFlashProposer, NGramProposer
-from infer.spec import TRACES, Engine, accept_length
+from infer.spec import TRACES, accept_length
 
 MAX_NEW = 24
 
@@ -92,7 +93,7 @@ def test_ngram_lookup_proposals():
 def test_measured_rates_pool_positions_until_each_has_counts():
     """A source accepted 9 times in 10 tries at draft 1 and never tried further: the pooled rate (9+1)/(10+2)
     fills in for draft 2 (untried) instead of an even 0.5, while draft 1 keeps nearly its own 0.9."""
-    from infer.spec import measured_rates
+    from infer.adaptive import measured_rates
 
     tries = jnp.asarray([[10.0, 0.0], [0.0, 0.0]])
     hits = jnp.asarray([[9.0, 0.0], [0.0, 0.0]])
@@ -427,7 +428,7 @@ def test_choose_width_maximises_expected_tokens_per_cost():
     """Hand-computed: confidences 0.9/0.8/0.5 make verifying 1, 2, 4 tokens commit 1, 1.9, 1.9+0.72+0.36 = 2.98
     in expectation; with costs 1, 1.2, 1.5 the rates are 1, 1.58, 1.99 (width 4 wins); when width 4 costs 3.0
     its rate falls to 0.99 and width 2 wins; a done row counts for nothing."""
-    from infer.spec import choose_width
+    from infer.adaptive import choose_width
 
     conf = jnp.asarray([[0.9, 0.8, 0.5]])
     live = jnp.asarray([True])

@@ -45,6 +45,39 @@ def test_regenerated_path_names_every_setting(tmp_path, monkeypatch):
     assert workflow.regenerated_path(other, "smollm2") != p
 
 
+def _jsonl(path, rows) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_mix_is_cached_by_its_contents_and_reproducible(tmp_path, monkeypatch):
+    """data.source=mix: the parts' lines, shuffled with data.mix_seed, in one cached JSONL named by its contents."""
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))
+    msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    a = _jsonl(tmp_path / "a.jsonl", [{"id": f"a{i}", "messages": msgs} for i in range(10)])
+    b = _jsonl(tmp_path / "b.jsonl", [{"id": f"b{i}", "messages": msgs} for i in range(10)])
+    keys = ["data.source=mix", f"data.mix=['{a}:seed=1:take=4', '{b}:take=3']"]
+    cfg = load_config("tiny", keys)
+    path = workflow.prepare_mix(cfg.data)
+    ids = [json.loads(line)["id"] for line in path.read_text().splitlines()]
+    assert len(ids) == 7 and sorted(i for i in ids if i[0] == "b") == ["b0", "b1", "b2"]
+    assert workflow.prepare_mix(cfg.data) == path  # the same parts and seed: the same file
+    other = workflow.prepare_mix(load_config("tiny", [*keys, "data.mix_seed=5"]).data)
+    assert other != path and sorted(json.loads(x)["id"] for x in other.read_text().splitlines()) == sorted(ids)
+    with pytest.raises(ValueError, match=r"data.mix=\[\]: data.source=mix needs a list of parts"):
+        load_config("tiny", ["data.source=mix"])
+    with pytest.raises(ValueError, match=r"data.mix part .*nope.jsonl.*: no such file"):
+        load_config("tiny", ["data.source=mix", f"data.mix=['{tmp_path}/nope.jsonl']"])
+
+
+def test_eval_drops_prompts_of_conversations_trained_on(tmp_path):
+    """An eval prompt of a conversation the training JSONL holds (any part of it) is dropped; other sources pass."""
+    trained = _jsonl(tmp_path / "train.jsonl", [{"id": "x_2"}, {"id": "y_0"}, {"id": "plain"}])
+    rows = [{"id": i} for i in ("x_0", "y_4", "z_0", "plain", "w")]
+    assert [r["id"] for r in workflow.untrained(rows, trained)] == ["z_0", "w"]
+    assert workflow.untrained(rows, "synthetic") == rows
+
+
 def test_run_ends_with_an_eval_of_the_exported_drafter(tmp_path):
     """train/run.py on the tiny config with eval on: the exported drafter (over its draft vocabulary, and over the
     whole one as a z-lab server runs it), n-gram and plain decoding run through the shared decode loop, every

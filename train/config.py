@@ -267,7 +267,8 @@ def _check_range(key: str, value, kind=None, low=None) -> None:
 
 
 def _validate(cfg: dict, schema: dict | None = None) -> None:
-    """Types, ranges and choices of every key, before anything heavy runs; each error names the key."""
+    """Types, ranges and choices of every key, then the checks across keys, before anything heavy runs; each error
+    names the key."""
     if schema is not None:
         for key, default in _leaves(schema):
             if key.startswith("target.arch"):
@@ -277,16 +278,7 @@ def _validate(cfg: dict, schema: dict | None = None) -> None:
         _check_range(key, _get(cfg, key), kind, low)
     for key, low in _AT_LEAST.items():
         _check_range(key, _get(cfg, key), None, low)
-    choices = {
-        ("features", "mode"): ("online", "offline"),
-        ("train", "schedule"): ("cosine", "constant"),
-        ("target", "dtype"): ("float32", "bfloat16"),
-        ("export", "dtype"): ("float32", "bfloat16"),
-        ("export", "format"): ("zlab", "speculators", "both"),
-        ("train", "compute_dtype"): ("float32", "bfloat16"),
-        ("data", "labels"): ("text", "target"),
-    }
-    for (a, b), allowed in choices.items():
+    for (a, b), allowed in _CHOICES.items():
         if cfg[a][b] not in allowed:
             raise ValueError(f"{a}.{b}={cfg[a][b]!r}: expected one of {allowed}")
     verifier = cfg["export"]["verifier"]
@@ -297,7 +289,26 @@ def _validate(cfg: dict, schema: dict | None = None) -> None:
             f"block_size={cfg['block_size']} exceeds train.max_len={cfg['train']['max_len']}: "
             "a block must fit in a training row"
         )
-    source = str(cfg["data"]["source"])
+    if cfg["target"]["path"] is None and cfg["target"]["preset"] is None:
+        raise ValueError("set target.path (real weights) or target.preset (random weights)")
+    _check_source(str(cfg["data"]["source"]))
+    _check_drafter(cfg["drafter"], cfg["draft_vocab"])
+    _check_eval(cfg["eval"], cfg["block_size"])
+    _check_late_files(cfg)
+
+
+_CHOICES = {
+    ("features", "mode"): ("online", "offline"),
+    ("train", "schedule"): ("cosine", "constant"),
+    ("target", "dtype"): ("float32", "bfloat16"),
+    ("export", "dtype"): ("float32", "bfloat16"),
+    ("export", "format"): ("zlab", "speculators", "both"),
+    ("train", "compute_dtype"): ("float32", "bfloat16"),
+    ("data", "labels"): ("text", "target"),
+}
+
+
+def _check_source(source: str) -> None:
     if (
         source not in DATA_SOURCES
         and not Path(source).expanduser().exists()
@@ -308,7 +319,9 @@ def _validate(cfg: dict, schema: dict | None = None) -> None:
         raise ValueError(
             f"data.source={source!r}: no such file, and not one of {DATA_SOURCES}{_suggest(source, DATA_SOURCES)}"
         )
-    d = cfg["drafter"]
+
+
+def _check_drafter(d: dict, draft_vocab) -> None:
     if d["target_layer_ids"] is not None and len(d["target_layer_ids"]) != d["n_features"]:
         raise ValueError(
             f"drafter.target_layer_ids={list(d['target_layer_ids'])} has {len(d['target_layer_ids'])} "
@@ -322,21 +335,20 @@ def _validate(cfg: dict, schema: dict | None = None) -> None:
         )
     if d["init_vocab"] and not init_is_dir:
         raise ValueError(f"drafter.init_vocab=true needs drafter.init to be a drafter directory, not {d['init']!r}")
-    if d["init_vocab"] and cfg["draft_vocab"] is None:
+    if d["init_vocab"] and draft_vocab is None:
         raise ValueError("drafter.init_vocab=true needs draft_vocab (the size of the saved vocabulary)")
-    if cfg["target"]["path"] is None and cfg["target"]["preset"] is None:
-        raise ValueError("set target.path (real weights) or target.preset (random weights)")
-    e = cfg["eval"]
-    if e["block"] is not None and e["block"] > cfg["block_size"]:
+
+
+def _check_eval(e: dict, block_size: int) -> None:
+    if e["block"] is not None and e["block"] > block_size:
         raise ValueError(
-            f"eval.block={e['block']}: more than the trained block_size={cfg['block_size']} (a drafter decodes at "
+            f"eval.block={e['block']}: more than the trained block_size={block_size} (a drafter decodes at "
             "its trained K or below)"
         )
-    eval_k = e["block"] if e["block"] is not None else cfg["block_size"]
+    eval_k = e["block"] if e["block"] is not None else block_size
     bad = [k for k in e["also_blocks"] if isinstance(k, bool) or not isinstance(k, int) or not 2 <= k <= eval_k]
     if bad:
         raise ValueError(f"eval.also_blocks={list(e['also_blocks'])}: {bad[0]!r} is not a block size in 2..{eval_k}")
-    _check_late_files(cfg)
 
 
 # eval.prompts names; anything else is a JSONL path

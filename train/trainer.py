@@ -46,9 +46,9 @@ from dflash_model.speculators_format import VERIFIER_ARCHITECTURES
 from dflash_model.target import build_target, config_of, forward, is_maxtext, randomize
 from dflash_model.tokenizer import load_tokenizer
 from dflash_model.weights import load_target
+from train.batches import build_train_dataset
 from train.checkpointing import Checkpoints, trim_metrics
 from train.copy_init import FIT_ROWS, fit_copy_circuit
-from train.data import build_train_dataset
 from train.features import open_or_build
 from train.objective import gamma_of
 from train.step import BATCH_KEYS, Program, make_optimizer, optimizer_shardings, step_loss, train_step
@@ -320,6 +320,45 @@ class Profile:
             self.on = False
 
 
+def objective_options(cfg) -> tuple[int | None, float]:
+    """(loss_positions, distill_weight), checked against each other and features.mode."""
+    loss_positions = None if cfg.loss_positions is None else int(cfg.loss_positions)
+    if loss_positions is not None and loss_positions < 1:
+        raise ValueError(f"loss_positions={loss_positions}: must be >= 1 (or null for all K-1 slots)")
+    distill_weight = float(cfg.distill_weight)
+    if not 0.0 <= distill_weight <= 1.0:
+        raise ValueError(f"distill_weight={distill_weight}: must be in [0, 1]")
+    if distill_weight and cfg.features.mode != "online":
+        raise ValueError(
+            f"distill_weight={distill_weight} needs features.mode=online (the teacher is the "
+            f"target's last layer, computed in the step), not {cfg.features.mode!r}"
+        )
+    return loss_positions, distill_weight
+
+
+def start_drafter(cfg, drafter_cfg, target, records):
+    """The drafter a run starts from: fresh (seed), or by drafter.init: the target's layers ("target"), a fitted
+    copy circuit ("copy"), or a drafter directory (grown by drafter.init_layers); drafter.init_logit_std scales a
+    fresh one's output norm."""
+    drafter = build_drafter(drafter_cfg, seed=int(cfg.seed))
+    init = cfg.drafter.init
+    if init is None:
+        if cfg.drafter.init_logit_std is not None:
+            drafter = scale_output_norm(drafter, target, float(cfg.drafter.init_logit_std))
+        return drafter
+    if cfg.drafter.init_logit_std is not None:
+        raise ValueError(
+            f"drafter.init={init} and drafter.init_logit_std both set: an initialised drafter keeps its own output norm"
+        )
+    if init == "target":
+        return copy_target_layers(drafter, target)
+    if init == "copy":
+        fit_rows = [records[i]["input_ids"] for i in range(min(FIT_ROWS, len(records)))]
+        return fit_copy_circuit(drafter, target, fit_rows, gamma=gamma_of(cfg), loss_positions=cfg.loss_positions)
+    init_weights(drafter, drafter_cfg, init, config_of(target), cfg.drafter.init_layers)
+    return drafter
+
+
 class Trainer:
     """Build everything from a Config, restore the newest readable checkpoint, then `train()`.
 
@@ -374,26 +413,16 @@ class Trainer:
         check_eval_lengths(cfg, positions)
         self.block_size = int(cfg.block_size)
         self.gamma = gamma_of(cfg)
-        self.loss_positions = None if cfg.loss_positions is None else int(cfg.loss_positions)
-        if self.loss_positions is not None and self.loss_positions < 1:
-            raise ValueError(f"loss_positions={self.loss_positions}: must be >= 1 (or null for all K-1 slots)")
-        self.distill_weight = float(cfg.distill_weight)
-        if not 0.0 <= self.distill_weight <= 1.0:
-            raise ValueError(f"distill_weight={self.distill_weight}: must be in [0, 1]")
-        if self.distill_weight and cfg.features.mode != "online":
-            raise ValueError(
-                f"distill_weight={self.distill_weight} needs features.mode=online (the teacher is the "
-                f"target's last layer, computed in the step), not {cfg.features.mode!r}"
-            )
+        self.loss_positions, self.distill_weight = objective_options(cfg)
 
         if not is_maxtext(self.target):  # MaxText placed its parameters on the mesh as it loaded them
             shd.shard_model(self.target, self.mesh)
 
         tokenizer = None
-        if records is None and cfg.data.source == "regenerate":
+        if records is None and cfg.data.source in ("regenerate", "mix"):
             raise ValueError(
-                "data.source=regenerate is resolved by train/run.py (train.workflow.prepare_regenerated "
-                "writes the JSONL); give the Trainer that JSONL's path as data.source"
+                f"data.source={cfg.data.source} is resolved by train/run.py (train.workflow.prepare_regenerated "
+                "or prepare_mix writes the JSONL); give the Trainer that JSONL's path as data.source"
             )
         if records is None and cfg.data.source != "synthetic":
             tokenizer = load_tokenizer(cfg.data.tokenizer or self.tokenizer_path)
@@ -405,25 +434,7 @@ class Trainer:
             records=records,
         )
         check_token_ids(records, self.target_cfg.vocab_size, cfg)
-        drafter = build_drafter(self.drafter_cfg, seed=int(cfg.seed))
-        if cfg.drafter.init is not None:
-            if cfg.drafter.init_logit_std is not None:
-                raise ValueError(
-                    f"drafter.init={cfg.drafter.init} and drafter.init_logit_std both set: an initialised drafter "
-                    "keeps its own output norm"
-                )
-            if cfg.drafter.init == "target":
-                drafter = copy_target_layers(drafter, self.target)
-            elif cfg.drafter.init == "copy":
-                fit_rows = [records[i]["input_ids"] for i in range(min(FIT_ROWS, len(records)))]
-                drafter = fit_copy_circuit(
-                    drafter, self.target, fit_rows, gamma=gamma_of(cfg), loss_positions=cfg.loss_positions
-                )
-            else:
-                init_weights(drafter, self.drafter_cfg, cfg.drafter.init, self.target_cfg, cfg.drafter.init_layers)
-        elif cfg.drafter.init_logit_std is not None:
-            drafter = scale_output_norm(drafter, self.target, float(cfg.drafter.init_logit_std))
-        drafter = shd.shard_model(drafter, self.mesh)
+        drafter = shd.shard_model(start_drafter(cfg, self.drafter_cfg, self.target, records), self.mesh)
         self.d_graph, params = nnx.split(drafter)
         self.t_graph, self.t_state = nnx.split(self.target)
         self.target_labels = cfg.data.labels == "target"

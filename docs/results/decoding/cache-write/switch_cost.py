@@ -7,10 +7,10 @@ first 3 MT-Bench prompts, 256 new tokens; the best of 3 decodes per prompt.
 
 import sys
 
+from infer.engine import Engine
 from infer.eval import _timed_decode, _warm, dataset_messages, encode
 from infer.loading import load_target_spec
 from infer.proposers import NGramProposer
-from infer.spec import Engine
 
 t = load_target_spec("smollm2")
 prompts = encode(dataset_messages("mtbench", 3), t.tokenizer)

@@ -1,0 +1,74 @@
+"""Adaptive width, a round strategy of infer/spec.py: verify only the first w tokens of the block, w chosen each
+round to maximise the expected committed tokens per unit of measured cost.
+
+The candidates (`default_widths`) are the branches of one `lax.switch`, so each compiles once. Confidence comes
+from the proposer (its probability for each draft) or, where it gives none, from the acceptance measured so far for
+the row's source (`measured_rates`). The costs are a verify at each width and the drafter's forward, timed by
+`infer.engine.Engine.calibrate` at the decode's own shapes and carried in the decode state as data.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from infer.proposers import scored
+from infer.spec import DecodeState, Verified, verify_forward
+
+
+def default_widths(k: int) -> tuple[int, ...]:
+    """Candidate verify widths for an adaptive engine of block size K: 1 (a plain step), powers of two, K."""
+    return tuple(sorted({1, k, *(w for w in (2, 4, 8, 16, 32, 64) if w < k)}))
+
+
+@jax.named_scope("choose_width")
+def choose_width(conf_BJ, live_B, widths: tuple[int, ...], cost_Z):
+    """Index into `widths` of the verify width with the most expected committed tokens per unit of cost.
+
+    conf_BJ[b, j-1]: probability that draft j of row b is right given drafts 1..j-1 were (a row's K-1 drafts);
+    verifying w tokens commits 1 + sum_{j < w} prod_{i <= j} conf[b, i-1] in expectation (the bonus plus the
+    accepted drafts). cost_Z: the round's cost at each width (same unit). Rows that are done count for nothing.
+    """
+    reach_BJ = jnp.cumprod(conf_BJ, axis=1)  # P(drafts 1..j all accepted)
+    return best_rate(reach_BJ, live_B, widths, cost_Z)
+
+
+def best_rate(reach_BJ, live_B, widths, cost_Z):
+    """argmax over widths of (expected committed tokens, summed over live rows) / cost, where verifying w tokens
+    commits 1 + sum_{j < w} reach[b, j-1] in expectation: reach[b, j-1] is the probability that the j-th verified
+    draft (a chain's draft j, a tree's node j in pop order) is on the accepted path."""
+    expected_BK = 1.0 + jnp.concatenate([jnp.zeros_like(reach_BJ[:, :1]), jnp.cumsum(reach_BJ, axis=1)], axis=1)
+    expected_BZ = expected_BK[:, jnp.asarray(widths) - 1]
+    rate_Z = jnp.sum(jnp.where(live_B[:, None], expected_BZ, 0.0), axis=0) / cost_Z
+    return jnp.argmax(rate_Z).astype(jnp.int32)
+
+
+def measured_rates(tries, hits, prior_weight: float = 4.0):
+    """[sources, K-1] acceptance rate of draft j given drafts 1..j-1 were accepted, per source: what an adaptive
+    engine uses where the proposer gives no probability.
+
+    Each position's count is shrunk towards its source's rate pooled over positions ((hits + 1) / (tries + 2)),
+    worth `prior_weight` rounds. Without the pooling a position never verified keeps an even prior, so a
+    proposer whose first drafts are nearly always right is still never verified wide enough to show it.
+    """
+    pooled = (jnp.sum(hits, axis=1) + 1.0) / (jnp.sum(tries, axis=1) + 2.0)
+    return (hits + prior_weight * pooled[:, None]) / (tries + prior_weight)
+
+
+def verify_width(target, proposer, params, st: DecodeState, last_B, key, *, k, temperature, widths, tree) -> Verified:
+    """The adaptive strategy: draft K-1 tokens, verify the first w of the block, w in `widths` chosen by
+    `choose_width` from the drafts' confidence and the measured cost of a round at each width."""
+    prop = scored(proposer, params, target, st.draft, st.history, st.n, k)
+    measured_BJ = measured_rates(st.tries, st.hits)[prop.source]
+    conf = jnp.where(jnp.isnan(prop.prob), measured_BJ, prop.prob)
+    cost_Z = st.verify_ms_Z + jnp.where(prop.drafted, st.draft_ms, 0.0)
+    choice = choose_width(conf, ~st.done, widths, cost_Z)
+    branches = [
+        functools.partial(verify_forward, target, proposer, width=w, k=k, temperature=temperature, branch=True)
+        for w in widths
+    ]
+    tok, a, feats, kv, nonfinite = jax.lax.switch(choice, branches, st, last_B, prop.tokens, key)
+    cache = st.cache.append(*kv)  # positions past the chosen width hold padding, above what crop keeps
+    return Verified(prop, tok, a, feats, cache, nonfinite, jnp.asarray(widths, jnp.int32)[choice])
