@@ -42,6 +42,7 @@ def chat_rows(smollm2):
     return [r for r in rows if len(r) >= 128]
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_copy_circuit_drafts_slot1_before_training(smollm2, chat_rows):
     # ShareGPT conversations (human-written replies, so "what followed last time" is the target's next token less

@@ -191,6 +191,7 @@ def test_two_processes_train_like_one(tmp_path):
         np.testing.assert_array_equal(nxt[k], ref_nxt[k], err_msg=k)
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_a_signal_to_one_process_stops_both_at_the_same_step(tmp_path):
     """A preemption notice that reaches one process of two: both checkpoint the same step and stop, none hangs.
@@ -229,6 +230,7 @@ def test_a_signal_to_one_process_stops_both_at_the_same_step(tmp_path):
     assert not (run_dir / "export").exists()  # a stopped run is not finished: no export, no eval
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_two_processes_build_offline_features_together(tmp_path):
     """features.mode=offline under two processes: the sharded target forward runs on both, process 0 writes the

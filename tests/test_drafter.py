@@ -410,6 +410,7 @@ def test_smollm2_mask_token_is_a_special_token_text_never_produces():
     assert len(ids) > 200_000 and mask not in ids
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 def test_copy_target_layers_reproduces_the_targets_keys_on_the_context(family):
     """drafter.init=target: draft layer 0 holds target layer f+1 (f = the last feature layer), and its context keys
@@ -442,6 +443,7 @@ def test_copy_target_layers_reproduces_the_targets_keys_on_the_context(family):
         dm.copy_target_layers(narrow, target)
 
 
+@pytest.mark.long
 def test_blocks_in_chunks_equal_one_pass_with_gradients(setup, monkeypatch):
     """Above layers.MAX_SCORES the training pass attends block chunk by block chunk: the same hidden states and
     the same gradients with respect to the drafter's weights and the features as the one-pass layout."""

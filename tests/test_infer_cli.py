@@ -23,6 +23,7 @@ def tiny():
     return load_target(FIXTURES / "tiny_qwen3")[1]
 
 
+@pytest.mark.long
 def test_generate_cli_json(tiny, capsys):
     """--json prints one object; tokens equal plain greedy for n-gram and for an untrained DFlash drafter."""
     ref = greedy_generate(tiny, [PROMPT], 12)[0]
@@ -95,6 +96,7 @@ def test_eval_cli_on_a_jsonl_of_prompt_ids(tmp_path, capsys):
     assert 0 < saved["loop_overhead"] < 100 and saved["costs_ms"]["plain"]["widths"] == [1]
 
 
+@pytest.mark.long
 def test_eval_compares_adaptive_and_fixed_with_repeats(tmp_path):
     """Two decoders and plain interleaved, 2 repeats: one table, the speedup the median of the per-repeat
     ratios, every decoder lossless, the adaptive one verifying a width from its candidates each round."""
@@ -159,6 +161,7 @@ def test_eval_counts_lossless_mismatches():
     assert rep["tpot_plain_ms"] == pytest.approx(1e3 * 2.5 / 5) and rep["tpot_spec_ms"] == pytest.approx(1e3 * 2.0 / 5)
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_smollm2_ngram_equals_plain_greedy(smollm2):
     """The real target (SmolLM2-135M GGUF, fp32): 2 chat prompts of different lengths x 24 tokens at batch 2,
@@ -322,6 +325,7 @@ def test_count_flips_finds_the_first_differing_token():
         ev.count_flips(ref, got[:2])  # one answer per prompt on both sides
 
 
+@pytest.mark.long
 def test_bf16_eval_reports_flips_against_fp32_and_decodes_a_tree(tmp_path):
     """--dtype bfloat16: every decoder (n-gram, a DDTree of an untrained drafter) is lossless against bf16 plain
     decoding, and the plain answers' flips against fp32 plain decoding are counted in eval.json and the table."""

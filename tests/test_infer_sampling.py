@@ -172,6 +172,7 @@ def test_sampled_output_follows_the_target_and_a_lossy_rule_is_caught(target, mo
     assert lossy_p < 1e-12, lossy_p
 
 
+@pytest.mark.long
 def test_adaptive_width_sampling_follows_the_target(target):
     """T > 0 with a verify width chosen per round from measured acceptance: still the target's distribution."""
     marginals = exact_marginals(target)
@@ -194,6 +195,7 @@ def test_tree_sampling_follows_the_target(target):
     assert min(pvalues) > 1e-3, pvalues
 
 
+@pytest.mark.long
 def test_adaptive_grown_tree_sampling_follows_the_target(target):
     """T > 0 with an adaptive grown tree (the lookup tree's kind of round: 6 nodes grown best first, each round
     verifying its first 1, 3 or 7 nodes in pop order, chosen from their path probabilities and the costs): the

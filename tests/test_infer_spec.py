@@ -163,6 +163,7 @@ def _reply_index(rows, **kw):
     return build_index(ids, mask, np.cumsum([0] + [len(p) + len(r) for p, r in rows]), **kw)
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("adaptive", [False, True])
 def test_greedy_reply_lookup_equals_plain_greedy(adaptive):
     """Reply lookup over an index of other prompts' greedy replies (and a corrupted copy of these prompts', so
@@ -250,6 +251,7 @@ def test_greedy_dflash_equals_plain_greedy(family, k, batch_one):
         assert engine.generate(prompts[1:])[0].tokens == ref[1]
 
 
+@pytest.mark.long
 def test_draft_vocabulary_proposals_are_the_full_logits_restricted_to_it():
     """A drafter served with a draft vocabulary proposes, at every position, the argmax (and the top-3 in order)
     of its full-vocabulary logits over those tokens only, with the softmax over them as its confidence; a tree
@@ -349,6 +351,7 @@ def test_non_finite_logits_are_an_error_not_token_zero():
         Engine(target, NGramProposer(), block_size=4, max_new_tokens=4).generate(prompts)
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 def test_greedy_hybrid_equals_plain_greedy_and_looks_up_where_it_can(family):
     """The hybrid proposer (n-gram where the context matches, DFlash elsewhere) is lossless at batch 2 and 1; a
@@ -380,6 +383,7 @@ def test_greedy_hybrid_equals_plain_greedy_and_looks_up_where_it_can(family):
     assert got[1].tolist() == drafted[1].tolist()
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("adaptive", [False, True])
 def test_greedy_reply_hybrid_equals_plain_greedy_and_drafts_where_replies_are_unsure(adaptive):
     """Reply lookup where it is confident, the DFlash block elsewhere: lossless at batch 2 and 1, fixed and adaptive
@@ -440,6 +444,7 @@ def test_choose_width_maximises_expected_tokens_per_cost():
     assert int(choose_width(two, jnp.asarray([False, True]), (1, 2, 4), jnp.asarray([1.0, 1.2, 1.5]))) == 0
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 def test_adaptive_width_is_lossless_and_varies(family):
     """Adaptive engines (a drafter whose confidence says how far its drafts are right, so the chosen width moves
@@ -540,6 +545,7 @@ class OracleTree(OracleMix):
         return jnp.where(put, truth[..., None], tokens), logp
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 def test_tree_decoding_equals_plain_greedy(family):
     """DDTree rounds (12 nodes, top 3) equal plain greedy at batch 2 and 1, with drafts accepted off the greedy
@@ -600,6 +606,7 @@ def test_tree_engine_refuses_what_it_cannot_do():
         Engine(_target("qwen3"), LookupTreeProposer(), None, block_size=4, max_new_tokens=4)
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("family,adaptive", [("qwen3", False), ("llama", False), ("qwen3", True)])
 def test_lookup_tree_decoding_equals_plain_greedy(family, adaptive):
     """The lookup tree equals plain greedy at batch 2 and 1; some rounds accept drafts off the tree's likeliest path
@@ -644,6 +651,7 @@ def test_lookup_tree_decoding_equals_plain_greedy(family, adaptive):
         assert off_chain >= 1
 
 
+@pytest.mark.long
 def test_lookup_tree_size_is_chosen_from_the_prior_over_measured_costs():
     """With a tree_prior the engine times each size's round (its verify + growing its tree) in `calibrate` and
     keeps the size with the most expected tokens per ms: a prior a thousand times higher at one size wins at any

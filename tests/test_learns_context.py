@@ -8,6 +8,7 @@ import pytest
 from train.tiny_runs import run_task
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_period2_slot1_needs_the_features_slot2_does_not(tmp_path):
     # ABAB... sequences, K=8, 200 steps x 8 sequences x 16 anchors. Slot 1's label is the token before the block

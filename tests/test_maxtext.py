@@ -71,6 +71,7 @@ def test_shared_weights_equal_the_tunix_target(qwen3_target):
     np.testing.assert_array_equal(final_norm(target, h), final_norm(tunix, h))
 
 
+@pytest.mark.long
 def test_llama31_layers_equal_the_tunix_target(llama31_dir, tmp_path):
     items = convert(llama31_dir, tmp_path / "mx", dtype="float32")
     assert str(items) == str(checkpoint_items(tmp_path / "mx")) == str(tmp_path / "mx" / "0" / "items")
@@ -94,6 +95,7 @@ def test_missing_checkpoint_names_the_path(tmp_path):
         checkpoint_items(tmp_path)
 
 
+@pytest.mark.long
 def test_training_step_equals_the_tunix_target(qwen3_maxtext, tmp_path):
     """target.maxtext in the trainer: the same loss and drafter gradients as the Tunix target on the same weights,
     on data=2 x fsdp=4 (MaxText's FSDP-sharded parameters on a mesh over the trainer's devices, in one jit)."""

@@ -247,6 +247,7 @@ def test_target_labels_are_the_targets_argmax(setup):
     assert (labels[:, 1:] != np.asarray(tokens[:, 1:])).mean() > 0.5  # a random target disagrees with the text
 
 
+@pytest.mark.long
 def test_bf16_compute_matches_fp32(setup):
     """Mixed precision (bf16 activations and matmuls over fp32 parameters): the loss within 1% of fp32's and the
     gradients in fp32 with cosine similarity > 0.99 to fp32's."""

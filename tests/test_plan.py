@@ -28,6 +28,7 @@ def test_pod_names():
         parse_pod("tpu-9")
 
 
+@pytest.mark.long
 @pytest.mark.parametrize(("config", "target_preset"), [("qwen3-8b", "qwen3-8b"), ("llama-3.1-8b", "llama-3.1-8b")])
 @pytest.mark.parametrize("block", [16, 64])
 def test_8b_presets_on_8_devices(config, target_preset, block):
@@ -47,6 +48,7 @@ def test_8b_presets_on_8_devices(config, target_preset, block):
     assert ("verdict: fits" if p["fits"] else "verdict: does NOT fit") in report(p)
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("config", ["qwen3-8b", "llama-3.1-8b"])
 def test_k128_presets_fit_a_v5p_chip(config):
     """`--block 128` of the 8B recipes (their blocks: entry, 64 anchors) fits a v5p chip by the planner's own numbers,
@@ -62,6 +64,7 @@ def test_k128_presets_fit_a_v5p_chip(config):
     assert "K=128, 64 anchors/seq" in p["drafter"] and "verdict: fits" in report(p)
 
 
+@pytest.mark.long
 def test_activations_follow_the_batch_sharding(monkeypatch):
     """Without constrain_batch GSPMD shards the step's activations like the FSDP weights (model dim) and every
     device holds the whole batch's: the compiled step's temporaries grow past 2x (4 sequences a device here; the
@@ -84,6 +87,7 @@ def test_model_flops_match_xla_where_nothing_loops():
     assert 0.9 < xla / p["flops_per_step"]["total"] < 1.1
 
 
+@pytest.mark.long
 def test_dry_run_command():
     """`train/run.py --dry-run --pod N:HBM` in a fresh process (it makes the fake devices itself)."""
     out = subprocess.run(

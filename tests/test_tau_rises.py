@@ -10,6 +10,7 @@ import pytest
 from train import tiny_runs as tt
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_training_raises_simulated_and_real_tau(tmp_path):
     # 250 steps at a constant 6e-3 (a cosine spends half of a short run at a low rate), 1024 training sequences

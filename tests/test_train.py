@@ -176,6 +176,7 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(run30, tmp_path):
     assert [r["loss"] for r in _records(run_dir)] == [r["loss"] for r in good]
 
 
+@pytest.mark.long
 def test_sharded_mesh_matches_one_device(tmp_path):
     """data=2 x fsdp=4 (batch over 8 devices, params FSDP-sharded) vs one device: same loss and grads."""
     small = ["target.arch.num_hidden_layers=2", "drafter.num_layers=1", "drafter.target_layer_ids=[0,1]"]
@@ -243,6 +244,7 @@ def test_kill9_then_restart_reproduces_losses(run30, tmp_path):
     assert [r["loss"] for r in _records(run_dir)] == [r["loss"] for r in _records(run30[0])]
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_offline_features_match_online(run30, tmp_path):
     """Features precomputed once to the cache and read back by record index train like the online path."""
@@ -265,6 +267,7 @@ def test_time_target_forward_runs_on_a_pipeline_batch(run30):
     assert math.isfinite(seconds) and seconds > 0.0
 
 
+@pytest.mark.long
 def test_distillation_and_loss_positions_reach_the_step(tmp_path):
     """distill_weight and loss_positions reach the compiled step: with P=3 the step reports 3 per-position
     accuracies, and the soft labels change the first step's loss from the same initial drafter (the objective's
@@ -287,6 +290,7 @@ def test_distillation_and_loss_positions_reach_the_step(tmp_path):
         )
 
 
+@pytest.mark.long
 def test_lr_ratio_scales_each_parameters_update(tmp_path):
     """train.lr_ratio {name part: ratio}: a ratio of 0 leaves the matching weights where they started, and a ratio
     of 0.5 moves a weight by exactly half of what it moves at 1 (Adam's update is per parameter); the rest train as
@@ -361,6 +365,7 @@ def test_drafter_init_starts_from_an_exported_drafter(run30, tmp_path):
         )
 
 
+@pytest.mark.long
 def test_drafter_init_layers_grows_an_export_that_drafts_the_same(run30, tmp_path):
     """drafter.init_layers=[0, null, 1, null]: layers 0 and 2 are the export's 0 and 1, the new layers start as the
     identity (o_proj and down_proj zero, their other weights random), so the grown drafter's block hidden equals

@@ -73,6 +73,7 @@ def test_push_copies_new_and_changed_files_only(bucket, tmp_path):
     assert push(str(tmp_path / "plain")) == 0  # a local run_dir is its own copy
 
 
+@pytest.mark.long
 def test_uri_run_trains_mirrors_and_resumes_on_a_fresh_host(bucket, tmp_path, monkeypatch):
     keys = ["run_dir=gs://bucket/run", f"checkpoint.dir={tmp_path / 'ck'}", "train.steps=4", "checkpoint.every_steps=2"]
     monkeypatch.chdir(tmp_path)
@@ -98,6 +99,7 @@ def test_uri_run_trains_mirrors_and_resumes_on_a_fresh_host(bucket, tmp_path, mo
     assert pull("gs://bucket/run") == 0  # nothing left that the staging directory lacks
 
 
+@pytest.mark.long
 def test_eval_out_on_object_storage(bucket, tmp_path):
     from infer import eval as ev
     from tests.conftest import FIXTURES

@@ -78,6 +78,7 @@ def test_eval_drops_prompts_of_conversations_trained_on(tmp_path):
     assert workflow.untrained(rows, "synthetic") == rows
 
 
+@pytest.mark.long
 def test_run_ends_with_an_eval_of_the_exported_drafter(tmp_path):
     """train/run.py on the tiny config with eval on: the exported drafter (over its draft vocabulary, and over the
     whole one as a z-lab server runs it), n-gram and plain decoding run through the shared decode loop, every
