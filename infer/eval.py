@@ -101,7 +101,7 @@ def dataset_messages(name: str, limit: int | None = None) -> list[dict]:
     return rows if limit is None else rows[:limit]
 
 
-def encode(rows: list[dict], tokenizer) -> list[list[int]]:
+def encode(rows: list[dict], tokenizer, thinking: bool = False) -> list[list[int]]:
     out = []
     for r in rows:
         if "prompt_ids" in r:
@@ -109,7 +109,7 @@ def encode(rows: list[dict], tokenizer) -> list[list[int]]:
             continue
         if tokenizer is None:
             raise ValueError("this target has no tokenizer: the dataset must give prompt_ids")
-        out.append(chat_prompt_ids(tokenizer, r.get("messages", r.get("text")), thinking=False))
+        out.append(chat_prompt_ids(tokenizer, r.get("messages", r.get("text")), thinking=thinking))
     return out
 
 
@@ -564,7 +564,19 @@ def parse_args(argv=None):
     )
     ap.add_argument("--dataset", required=True, help="humaneval, gsm8k, mtbench or a .jsonl file")
     ap.add_argument("--limit", type=at_least(1), default=None, help="the first N prompts (default: all)")
-    ap.add_argument("--max-new-tokens", type=at_least(1), required=True)
+    ap.add_argument(
+        "--max-new-tokens",
+        type=at_least(1),
+        default=2048,
+        help="new tokens a prompt at most (default 2048, the published DFlash benchmarks' setting; tau moves with it)",
+    )
+    ap.add_argument(
+        "--thinking",
+        choices=["on", "off"],
+        default="off",
+        help="the chat template's thinking switch (enable_thinking; default off, as DFlash drafters are trained and "
+        "benchmarked); refused for a template that has none",
+    )
     ap.add_argument(
         "--block", type=at_least(2, MAX_BLOCK), default=None, help="block size K (default: each drafter's own)"
     )
@@ -656,7 +668,10 @@ def checked_inputs(args):
     rows = dataset_messages(args.dataset, args.limit)
     if not rows:
         raise ValueError(f"--dataset {args.dataset}: no prompts in it")
-    prompts = encode(rows, target.tokenizer)
+    thinking = args.thinking == "on"
+    if thinking and "enable_thinking" not in str(getattr(target.tokenizer, "chat_template", None) or ""):
+        raise ValueError(f"--thinking on: the chat template of --target {args.target} has no enable_thinking switch")
+    prompts = encode(rows, target.tokenizer, thinking=thinking)
     names = [f"--dataset {args.dataset}: prompt {r['id']}" for r in rows]
     check_prompt_ids(prompts, target.config, names=names)
     prompts, cut = fit_prompts(
@@ -694,6 +709,10 @@ def main(argv=None) -> dict:
         "command": " ".join(["python -m infer.eval", *(sys.argv[1:] if argv is None else argv)]),
         "target": str(target.path),
         "dataset": args.dataset,
+        "max_new_tokens": args.max_new_tokens,
+        "thinking": args.thinking,
+        "temperature": 0.0,
+        "method": "speculative decoding, each decoder's tokens checked against plain greedy decoding's",
         "device": str(jax.devices()[0]),
         "dtype": target.config.dtype,
         "tau_headline": "tau_pooled",

@@ -401,3 +401,15 @@ def test_each_command_refuses_in_one_line_with_exit_2(tmp_path):
     for args, said in cases:
         proc = subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, env=env, cwd=REPO)
         assert proc.returncode == 2 and said in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-1500:]
+
+
+def test_eval_defaults_to_the_published_length_and_refuses_thinking_a_template_lacks(tmp_path):
+    """--max-new-tokens defaults to 2048 (z-lab's benchmark setting); --thinking on needs the chat template's own
+    enable_thinking switch, and SmolLM2's has none: refused by name before any weight loads."""
+    args = ev.parse_args(["--target", "smollm2", "--draft", "ngram", "--dataset", "gsm8k", "--out", str(tmp_path)])
+    assert args.max_new_tokens == 2048 and args.thinking == "off"
+    args = ev.parse_args(
+        ["--target", "smollm2", "--draft", "ngram", "--dataset", "gsm8k", "--out", str(tmp_path), "--thinking", "on"]
+    )
+    with pytest.raises(ValueError, match="--thinking on: the chat template of --target smollm2 has no enable_thinking"):
+        ev.checked_inputs(args)
