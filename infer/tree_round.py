@@ -67,7 +67,8 @@ def verify_tree(target, proposer, params, st: DecodeState, last_B, key, *, k, te
 
 def _verify_tree_nodes(target, proposer, st, node_tok_BE, tr, key, *, width, temperature):
     """A branch of the adaptive tree round: the target forward over the first `width` nodes, reading the cache
-    only (as `_verify(branch=True)`); the target's tokens, features and the nodes' K/V padded to all E nodes."""
+    only (as `infer.spec.verify_forward(branch=True)`); the target's tokens, features and the nodes' K/V padded to
+    all E nodes."""
     e = node_tok_BE.shape[1]
     out = forward(
         target,
