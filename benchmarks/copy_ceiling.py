@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from data.conversations import iter_jsonl, tokenize_conversation  # noqa: E402
 from dflash_model.target import embedding_table, lm_head_weight  # noqa: E402
-from infer.loading import load_target_spec  # noqa: E402
+from infer.target_spec import load_target_spec  # noqa: E402
 from train.config import load_config  # noqa: E402
 from train.copy_init import collect, predictable_codes, ridge_fit, slow_rope_dims, unit_rms  # noqa: E402
 from train.trainer import drafter_config  # noqa: E402

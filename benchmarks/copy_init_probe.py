@@ -30,7 +30,7 @@ from data.conversations import iter_jsonl, tokenize_conversation  # noqa: E402
 from dflash_model.drafter import build_drafter, train_logits  # noqa: E402
 from dflash_model.drafter_weights import load_drafter  # noqa: E402
 from dflash_model.target import embedding_table, forward  # noqa: E402
-from infer.loading import load_target_spec  # noqa: E402
+from infer.target_spec import load_target_spec  # noqa: E402
 from train.config import load_config, parse_value  # noqa: E402
 from train.copy_init import FIT_ROWS, fit_copy_circuit  # noqa: E402
 from train.trainer import drafter_config  # noqa: E402

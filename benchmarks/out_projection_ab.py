@@ -34,7 +34,7 @@ def main() -> None:
 
     import dflash_model.target as target_module
     from dflash_model.target import KVCache, forward
-    from infer.loading import load_target_spec
+    from infer.target_spec import load_target_spec
 
     target = load_target_spec("smollm2", "float32")
     graph, weights = nnx.split(target.model)

@@ -106,7 +106,8 @@ def eval_all(scale: dict, out: Path, runs_dir: Path) -> None:
 
     from dflash_model.tokenizer import stop_token_ids
     from infer.eval import dataset_messages, encode, format_comparison, plot_comparison, run_comparison
-    from infer.loading import load_draft_spec, load_target_spec
+    from infer.loading import load_draft_spec
+    from infer.target_spec import load_target_spec
 
     target = load_target_spec("smollm2")
     drafts = [

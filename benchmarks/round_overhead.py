@@ -26,7 +26,8 @@ from pathlib import Path
 
 from infer.engine import Engine, _loop_ms
 from infer.eval import _timed_decode, _warm, dataset_messages, encode
-from infer.loading import load_draft_spec, load_target_spec
+from infer.loading import load_draft_spec
+from infer.target_spec import load_target_spec
 from infer.tree import build_tree, walk_tree
 
 

@@ -167,7 +167,7 @@ def main(argv=None) -> dict:
 
 
 def main_in_loop(args) -> dict:
-    from infer.loading import load_target_spec
+    from infer.target_spec import load_target_spec
 
     target = load_target_spec(args.target, args.dtype)
     ks = [int(x) for x in args.ks.split(",")]

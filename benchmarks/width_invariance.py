@@ -37,7 +37,7 @@ def main() -> None:
     from flax import nnx
 
     from dflash_model.target import KVCache, forward
-    from infer.loading import load_target_spec
+    from infer.target_spec import load_target_spec
 
     target = load_target_spec(args.target, args.dtype)
     widths = [int(w) for w in args.widths.split(",")]

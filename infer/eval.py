@@ -39,20 +39,13 @@ from dflash_model.cli import run_main
 from dflash_model.files import atomic_write_text, local_dir, push, run_path
 from dflash_model.tokenizer import chat_prompt_ids, stop_token_ids
 from infer.engine import Engine
-from infer.loading import (
-    DRAFT_HELP,
-    NGRAM_BLOCK,
-    at_least,
-    check_prompt_ids,
-    fit_prompts,
-    load_draft_spec,
-    load_target_spec,
-)
+from infer.loading import DRAFT_HELP, NGRAM_BLOCK, at_least, check_prompt_ids, fit_prompts, load_draft_spec
 from infer.metrics import conditional_acceptance, strict_dumps, survival, tau_per_prompt, tau_pooled
 from infer.plain import bucket_length
 from infer.projection import HEADLINE_PROFILE, Profile, available_profiles, load_profiles, project
 from infer.proposers import Stateless
 from infer.spec import MAX_BLOCK, check_positions
+from infer.target_spec import load_target_spec
 
 DATASETS = ("humaneval", "gsm8k", "mtbench")
 TAU_NOTE = (

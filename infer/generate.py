@@ -17,16 +17,9 @@ import sys
 from dflash_model.cli import run_main
 from dflash_model.tokenizer import chat_prompt_ids, stop_token_ids
 from infer.engine import Engine
-from infer.loading import (
-    DRAFT_HELP,
-    at_least,
-    check_prompt_ids,
-    fit_prompts,
-    load_draft_spec,
-    load_target_spec,
-    non_negative,
-)
+from infer.loading import DRAFT_HELP, at_least, check_prompt_ids, fit_prompts, load_draft_spec, non_negative
 from infer.spec import MAX_BLOCK, check_positions
+from infer.target_spec import load_target_spec
 
 
 def parse_args(argv=None):

@@ -1,4 +1,5 @@
-"""Resolve the CLIs' --target and --draft arguments into a target module, tokenizer and proposer."""
+"""Resolve the CLIs' --draft argument into a proposer and its parameters (--target: infer/target_spec.py), and the
+checks of their lengths and token ids."""
 
 from __future__ import annotations
 
@@ -11,12 +12,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from data.assets import smollm2_gguf
 from dflash_model import drafter_weights
 from dflash_model.config import PRESETS
 from dflash_model.drafter import DRAFTER_PRESETS, build_drafter, drafter_config_for
-from dflash_model.tokenizer import load_tokenizer
-from dflash_model.weights import load_target, load_target_config
 from infer import proposers
 from infer.engine import checked_tree_prior
 from infer.plain import PROMPT_BUCKETS
@@ -53,37 +51,6 @@ def non_negative(text: str) -> float:
     if not value >= 0.0:  # also refuses nan
         raise argparse.ArgumentTypeError(f"{text} is negative (or not a number)")
     return value
-
-
-@dataclasses.dataclass
-class Target:
-    path: Path
-    config: Any
-    model: Any  # None until `load_weights` (load_target_spec(weights=False): the config and tokenizer only)
-    tokenizer: Any  # None when the target directory ships none (then only --prompt-ids works)
-    dtype: str | None = None
-
-    def load_weights(self) -> Target:
-        """Read the weights (a no-op once read): a CLI checks its inputs against the config first."""
-        if self.model is None:
-            self.config, self.model = load_target(self.path, dtype=self.dtype)
-        return self
-
-
-def load_target_spec(spec: str, dtype: str | None = None, *, weights: bool = True) -> Target:
-    """'smollm2' (the package-shipped SmolLM2-135M GGUF), an HF model directory or a .gguf file. weights=False:
-    its config and tokenizer only (`Target.load_weights` reads the rest)."""
-    if spec == "smollm2":
-        path = smollm2_gguf()
-    else:
-        path = Path(spec)
-    cfg = load_target_config(path, dtype=dtype)
-    try:
-        tok = load_tokenizer(path)
-    except (FileNotFoundError, OSError, ValueError):
-        tok = None
-    target = Target(path, cfg, None, tok, dtype)
-    return target.load_weights() if weights else target
 
 
 @dataclasses.dataclass
@@ -129,6 +96,14 @@ class DraftForm(NamedTuple):
     meaning: str
     pattern: str
     build: Callable[[re.Match, _Ctx], Draft]
+    # what follows the prefix's ':' (and a second part's '+'), named when a value leaves it empty: Path('') would
+    # be read as the current directory
+    needs: tuple[str, ...] = ()
+
+    @property
+    def prefix(self) -> str:
+        """'lookuptree' of 'lookuptree[N|auto]:FILE'."""
+        return re.split(r"[\[:]", self.usage)[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,40 +214,54 @@ DRAFT_FORMS = (
         "size chosen at start-up from the file's tree_tau.json)",
         r"lookuptree(\d*|auto):(.+)",
         _lookup_tree,
+        ("a reply file",),
     ),
     DraftForm(
         "tree[N]:DIR",
         f"a draft tree of N (default {TREE_NODES}) nodes from the drafter's distributions (DDTree)",
         r"tree(\d*):(.+)",
         _tree,
+        ("a drafter directory (or random)",),
     ),
     DraftForm(
         "fullvocab:DIR",
         "the drafter over the whole vocabulary (ignoring its draft_vocab.json, as a z-lab server runs it)",
         r"fullvocab:(.+)",
         _fullvocab,
+        ("a drafter directory",),
     ),
-    DraftForm("adaptive:SPEC", "verify a width chosen per round from measured costs", r"adaptive:(.+)", _adaptive),
-    DraftForm("hybrid:SPEC", "prompt lookup where the context matches, else the drafter", r"hybrid:(.+)", _hybrid),
+    DraftForm(
+        "adaptive:SPEC",
+        "verify a width chosen per round from measured costs",
+        r"adaptive:(.+)",
+        _adaptive,
+        ("a drafter spec (a directory, random, ...)",),
+    ),
+    DraftForm(
+        "hybrid:SPEC",
+        "prompt lookup where the context matches, else the drafter",
+        r"hybrid:(.+)",
+        _hybrid,
+        ("a drafter spec (a directory, random, ...)",),
+    ),
     DraftForm(
         "replies:FILE+DIR",
         "replies:FILE where it is confident, else the drafter's block",
         r"replies:(.+)\+(.+)",
         _replies_hybrid,
+        ("a reply file", "a drafter directory"),
     ),
-    DraftForm("replies:FILE", "prompt lookup, then a reply file of python -m infer.replies", r"replies:(.+)", _replies),
+    DraftForm(
+        "replies:FILE",
+        "prompt lookup, then a reply file of python -m infer.replies",
+        r"replies:(.+)",
+        _replies,
+        ("a reply file",),
+    ),
     DraftForm("DIR", "a DFlash drafter directory (z-lab or speculators format)", r"(.+)", _directory),
 )
 DRAFT_HELP = "; ".join(f"{f.usage}: {f.meaning}" for f in DRAFT_FORMS)
-# What each prefix takes after its ':', named when it is missing (Path('') would be read as the current directory).
-_AFTER_PREFIX = {
-    "lookuptree": "a reply file",
-    "tree": "a drafter directory (or random)",
-    "fullvocab": "a drafter directory",
-    "adaptive": "a drafter spec (a directory, random, ...)",
-    "hybrid": "a drafter spec (a directory, random, ...)",
-    "replies": "a reply file",
-}
+_AFTER_PREFIX = {f.prefix: f.needs[0] for f in DRAFT_FORMS if f.needs}  # {prefix: what its ':' needs}
 
 
 def load_draft_spec(
@@ -294,8 +283,9 @@ def load_draft_spec(
     empty = re.fullmatch(rf"({'|'.join(_AFTER_PREFIX)})(\d*|auto):", spec)
     if empty:
         raise ctx.refuse(f"{empty[1]}: needs {_AFTER_PREFIX[empty[1]]} after the ':'")
-    if re.fullmatch(r"replies:.+\+", spec):
-        raise ctx.refuse("replies:FILE+DIR needs a drafter directory after the '+'")
+    for form in DRAFT_FORMS:
+        if len(form.needs) > 1 and re.fullmatch(rf"{form.prefix}:.+\+", spec):
+            raise ctx.refuse(f"{form.usage} needs {form.needs[1]} after the '+'")
     for form in DRAFT_FORMS:
         m = re.fullmatch(form.pattern, spec)
         if m and (form.build is not _directory or Path(spec).is_dir()):

@@ -240,11 +240,9 @@ def load_index(path, vocab_size: int, *, min_n: int = 2, max_n: int = 4) -> Repl
 
 
 def main(argv=None) -> int:
-    from data.assets import smollm2_gguf
     from data.conversations import load_conversations
     from data.pipeline import tokenize_all
-    from dflash_model.tokenizer import load_tokenizer
-    from dflash_model.weights import load_target_config
+    from infer.target_spec import load_target_spec
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], prog="python -m infer.replies")
     ap.add_argument("--target", default="smollm2", help="smollm2, an HF model directory or a .gguf (its tokenizer)")
@@ -255,13 +253,10 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True, type=Path, help="the reply file (.npz) to write")
     ap.add_argument("--base", type=Path, default=None, help="a reply file whose replies come first (to grow it)")
     args = ap.parse_args(argv)
-    # The target's tokenizer and vocabulary only: its weights are not needed to store replies.
-    path = smollm2_gguf() if args.target == "smollm2" else Path(args.target)
-    vocab_size = load_target_config(path).vocab_size
-    try:
-        tokenizer = load_tokenizer(path)
-    except (FileNotFoundError, OSError, ValueError) as e:
-        raise SystemExit(f"--target {args.target}: no tokenizer to apply the chat template with ({e})") from None
+    target = load_target_spec(args.target, weights=False)  # its tokenizer and vocabulary: no weights needed here
+    if target.tokenizer is None:
+        raise SystemExit(f"--target {args.target}: no tokenizer, so its chat template cannot be applied")
+    tokenizer, vocab_size = target.tokenizer, target.config.vocab_size
     convs, _ = load_conversations(args.input, limit=args.limit, skip=args.skip)
     records, _ = tokenize_all(convs, tokenizer, args.max_len)
     arrays = stored_replies(records)

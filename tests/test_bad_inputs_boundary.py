@@ -16,8 +16,9 @@ from conftest import FIXTURES, REPO
 from dflash_model.weights import load_target_config
 from infer import eval as ev
 from infer import generate
-from infer.loading import load_draft_spec, load_target_spec
+from infer.loading import load_draft_spec
 from infer.replies import load_replies, save_replies
+from infer.target_spec import load_target_spec
 
 TINY = str(FIXTURES / "tiny_qwen3")  # 2048 positions, a vocabulary of 512
 
@@ -29,7 +30,7 @@ def no_weights(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("the target's weights were loaded before the input was checked")
 
-    monkeypatch.setattr("infer.loading.load_target", refuse)
+    monkeypatch.setattr("infer.target_spec.load_target", refuse)
 
 
 @pytest.fixture(scope="module")

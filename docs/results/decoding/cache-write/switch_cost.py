@@ -9,8 +9,8 @@ import sys
 
 from infer.engine import Engine
 from infer.eval import _timed_decode, _warm, dataset_messages, encode
-from infer.loading import load_target_spec
 from infer.proposers import NGramProposer
+from infer.target_spec import load_target_spec
 
 t = load_target_spec("smollm2")
 prompts = encode(dataset_messages("mtbench", 3), t.tokenizer)

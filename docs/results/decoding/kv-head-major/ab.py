@@ -13,7 +13,7 @@ import dflash_model_kv.target as B
 from flax import nnx
 
 import dflash_model.target as A
-from infer.loading import load_target_spec
+from infer.target_spec import load_target_spec
 
 W = int(sys.argv[1])
 reps = 20

@@ -14,7 +14,8 @@ from pathlib import Path
 
 from dflash_model.tokenizer import stop_token_ids
 from infer.eval import dataset_messages, encode, format_comparison, run_comparison
-from infer.loading import load_draft_spec, load_target_spec
+from infer.loading import load_draft_spec
+from infer.target_spec import load_target_spec
 
 dataset, limit, repeats, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 target = load_target_spec("smollm2")
