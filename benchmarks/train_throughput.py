@@ -13,6 +13,12 @@ without the cross-entropy, the cross-entropy through the lm_head (forward and ba
 the host side (next batch from the grain iterator, offline features read, device put). Phases are timed apart, so
 their sum differs from the step a little (XLA fuses across them in the real step).
 
+Against the machine: each phase's matmul FLOPs (train.plan.model_flops, as the step computes them) over its time
+is set against this machine's measured rate for one matmul of that phase's dominant shape and dtype (a
+microbenchmark in the same process: the target's MLP over the row, the drafter's MLP over the block positions, a
+cross-entropy chunk against the lm_head), giving the share of the matmul limit each phase reaches; the step's share
+is its FLOPs over the time the three phases would take at those rates, over the measured step.
+
 Counts: a block is one anchor (K positions); a trained label is a label with nonzero loss weight (valid, inside
 loss_positions, inside the draft vocabulary). Offline features are precomputed once (the time is reported as
 `precompute_s`, one target forward per record) and then read back every epoch.
@@ -53,6 +59,66 @@ def _time(fn, *args, repeats: int = 3) -> float:
     for _ in range(repeats):
         jax.block_until_ready(fn(*args))
     return (time.perf_counter() - t0) / repeats
+
+
+def matmul_rate(m: int, k: int, n: int, dtype: str, repeats: int = 5) -> float:
+    """FLOP/s of one jitted [m, k] x [k, n] matmul in `dtype` (fp32 accumulation), the best of `repeats`: this
+    machine's matmul limit at a phase's own shapes, through the same XLA kernels the step uses."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones((m, k), dtype)
+    w = jnp.ones((k, n), dtype)
+    f = jax.jit(lambda x, w: jnp.einsum("mk,kn->mn", x, w, preferred_element_type=jnp.float32))
+    jax.block_until_ready(f(x, w))
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(x, w))
+        best = min(best, time.perf_counter() - t0)
+    return 2.0 * m * k * n / best
+
+
+def limits(trainer, batch: dict, slots: int) -> dict:
+    """Matmul FLOPs of each phase (train.plan.model_flops, as the step computes them) and this machine's matmul
+    rate at each phase's dominant shape and dtype: the target's MLP over the row's tokens, the drafter's MLP over
+    the block positions, one cross-entropy chunk against the lm_head rows."""
+    from train.plan import model_flops
+
+    prog = trainer.program()
+    b, t = batch["input_ids"].shape
+    n = batch["anchors"].shape[1]
+    tcfg, dcfg = trainer.target_cfg, trainer.drafter_cfg
+    vocab = tcfg.vocab_size if trainer.vocab_ids is None else int(trainer.vocab_ids.shape[0])
+    online = "features" not in batch
+    flops = model_flops(
+        tcfg,
+        dcfg,
+        batch=b,
+        length=t,
+        anchors=n,
+        block=prog.block_size,
+        online=online,
+        labels=prog.target_labels,
+        vocab=vocab,
+        labelled_slots=slots - 1,
+    )
+    rows = b * n * (slots - 1)
+    dt = prog.compute_dtype
+    rate = {
+        "target": matmul_rate(b * t, tcfg.hidden_size, tcfg.intermediate_size, str(tcfg.dtype)) if online else None,
+        "drafter": matmul_rate(b * n * prog.block_size, dcfg.hidden_size, dcfg.intermediate_size, dt),
+        "ce": matmul_rate(min(prog.ce_chunk, rows), dcfg.hidden_size, vocab, dt),
+    }
+    return {
+        "anchors_run": n,
+        "gflop": {
+            "target": flops["target_forward"] / 1e9,
+            "drafter": flops["drafter_forward_backward"] / 1e9,
+            "ce": flops["cross_entropy"] / 1e9,
+        },
+        "matmul_gflops": {k: (v / 1e9 if v else None) for k, v in rate.items()},
+    }
 
 
 def phases(trainer, repeats: int = 3) -> dict:
@@ -107,7 +173,7 @@ def phases(trainer, repeats: int = 3) -> dict:
     out["drafter_s"] = _time(
         jax.jit(jax.grad(lambda p: jnp.sum(hidden_of(p).astype(jnp.float32) * probe))), params, repeats=repeats
     )
-    hm = h.reshape(-1, h.shape[-1])
+    hm = h[:, :, 1:].reshape(-1, h.shape[-1])  # slot 0 is never a label: the step's cross-entropy skips it
     labels = jnp.zeros((hm.shape[0],), jnp.int32)
     vocab = trainer.vocab_ids
 
@@ -123,6 +189,18 @@ def phases(trainer, repeats: int = 3) -> dict:
     out["optimizer_s"] = _time(
         jax.jit(lambda g, o, p: tx.update(g, o, p)), grads, trainer.state["opt"], params, repeats=repeats
     )
+    return {**out, **limits(trainer, batch, slots)}
+
+
+def fractions(r: dict) -> dict:
+    """Each phase's achieved matmul rate over this machine's rate at its shapes (1.0 = the phase runs at the
+    machine's matmul limit), and the step's: its FLOPs over the time the phases would take at those limits."""
+    g, lim = r["gflop"], r["matmul_gflops"]
+    out = {}
+    for phase, key in (("target", "target_s"), ("drafter", "drafter_s"), ("ce", "ce_s")):
+        out[phase] = g[phase] / r[key] / lim[phase] if lim[phase] and r[key] > 0 else None
+    at_limit = sum(g[p] / lim[p] for p in g if lim[p])
+    out["step"] = at_limit / r["step_s"]
     return out
 
 
@@ -186,6 +264,41 @@ def _load_targets(cfg_name: str, shared: list[str]):
     return get
 
 
+def _pct(x) -> str:
+    return "-" if x is None else f"{100 * x:.0f}%"
+
+
+def format_tables(rows: list[dict]) -> str:
+    """Throughput per variant, then each phase's seconds, matmul GFLOP and share of this machine's matmul limit."""
+    base = {r["block_size"]: r["blocks_per_s"] for r in rows if r["variant"] == "baseline"}
+    lines = [
+        "| K | variant | s/step | blocks/step | blocks/s | x baseline | trained labels/s | step GFLOP "
+        "| step at limit |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        x = r["blocks_per_s"] / base[r["block_size"]] if r["block_size"] in base else float("nan")
+        lines.append(
+            f"| {r['block_size']} | {r['variant']} | {r['step_s']:.2f} | {r['blocks_per_step']:.0f} | "
+            f"{r['blocks_per_s']:.1f} | {x:.1f}x | {r['trained_labels_per_s']:.0f} | "
+            f"{sum(r['gflop'].values()):.0f} | {_pct(r['fraction_of_limit']['step'])} |"
+        )
+    lines += [
+        "",
+        "| K | variant | anchor columns run | target s / GFLOP / at limit | drafter f+b | CE f+b | optimizer s "
+        "| host s |",
+        "|---:|---|---:|---|---|---|---:|---:|",
+    ]
+    for r in rows:
+        g, f = r["gflop"], r["fraction_of_limit"]
+        cell = {p: f"{r[p + '_s']:.2f} / {g[p]:.0f} / {_pct(f[p])}" for p in ("target", "drafter", "ce")}
+        lines.append(
+            f"| {r['block_size']} | {r['variant']} | {r['anchors_run']} | {cell['target']} | {cell['drafter']} | "
+            f"{cell['ce']} | {r['optimizer_s']:.3f} | {r['host_s']:.3f} |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="smollm2-135m")
@@ -212,24 +325,11 @@ def main(argv=None) -> dict:
             target, tok_path = targets(VARIANTS[name])
             over = [*shared, f"data.tokenizer={tok_path}", *VARIANTS[name]]
             print(f"[throughput] K={k} {name}: {' '.join(VARIANTS[name]) or '(config as is)'}", flush=True)
-            rows.append({"variant": name, **measure(args.config, over, args.steps, target=target)})
-            r = rows[-1]
+            r = {"variant": name, **measure(args.config, over, args.steps, target=target)}
+            rows.append({**r, "fraction_of_limit": fractions(r)})
             print(f"[throughput]   {r['step_s']:.2f} s/step, {r['blocks_per_s']:.1f} blocks/s", flush=True)
 
-    base = {r["block_size"]: r["blocks_per_s"] for r in rows if r["variant"] == "baseline"}
-    lines = [
-        "| K | variant | s/step | blocks/step | blocks/s | x baseline | trained labels/s | target | drafter f+b "
-        "| CE f+b | optimizer | host |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in rows:
-        x = r["blocks_per_s"] / base[r["block_size"]] if r["block_size"] in base else float("nan")
-        lines.append(
-            f"| {r['block_size']} | {r['variant']} | {r['step_s']:.2f} | {r['blocks_per_step']:.0f} | "
-            f"{r['blocks_per_s']:.1f} | {x:.1f}x | {r['trained_labels_per_s']:.0f} | {r['target_s']:.2f} | "
-            f"{r['drafter_s']:.2f} | {r['ce_s']:.2f} | {r['optimizer_s']:.3f} | {r['host_s']:.3f} |"
-        )
-    table = "\n".join(lines)
+    table = format_tables(rows)
     print(table)
     rep = {
         "command": shlex.join(["benchmarks/train_throughput.py", *(sys.argv[1:] if argv is None else argv)]),

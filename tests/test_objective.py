@@ -285,3 +285,26 @@ def test_greedy_path_mask():
     labels3 = tokens.at[0, 1].set(99)
     assert np.asarray(on_greedy_path(tokens, labels3, anchors, 4))[0, 0].tolist() == [True, True, False, False]
     assert np.asarray(on_greedy_path(tokens, tokens, anchors, 4)).all()
+
+
+def test_dropping_padding_anchor_columns_keeps_loss_and_gradient(setup):
+    """The trainer runs only the anchor columns some row fills (train.batches.kept_anchors): padding blocks carry
+    no label, so the loss, its gradient and the accuracies are those of the full [B, N] batch."""
+    from train.batches import kept_anchors
+
+    target, drafter, tokens, loss_mask, _, features = setup
+    anchors = jnp.asarray([[8, 15, -1, -1, -1, -1, -1, -1], [12, 25, 27, -1, -1, -1, -1, -1]], jnp.int32)
+    assert kept_anchors(np.asarray(anchors), 4) == 4  # 3 real in the fullest row, rounded up to 8 / 4 = 2
+    assert kept_anchors(np.asarray(anchors), 8) == 3 and kept_anchors(np.asarray(anchors), 1) == 8
+    assert kept_anchors(np.full((2, 8), -1), 4) == 2  # an empty batch still runs one bucket
+
+    def loss(d, a):
+        return dflash_loss(d, target, features, tokens, loss_mask, a, block_size=K, gamma=3.0)
+
+    (l_full, m_full), g_full = nnx.value_and_grad(loss, has_aux=True)(drafter, anchors)
+    (l_kept, m_kept), g_kept = nnx.value_and_grad(loss, has_aux=True)(drafter, anchors[:, :3])
+    np.testing.assert_allclose(float(l_kept), float(l_full), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(m_kept["acc"]), np.asarray(m_full["acc"]), rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(g_kept), jax.tree.leaves(g_full)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+    assert float(l_full) > 0 and any(float(jnp.abs(g).max()) > 0 for g in jax.tree.leaves(g_full))

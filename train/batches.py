@@ -7,6 +7,8 @@ stream: each epoch redraws them (the paper's recipe) and a restored iterator red
 
 from __future__ import annotations
 
+import math
+
 import grain
 import jax
 import numpy as np
@@ -100,3 +102,17 @@ def _record_batches(cfg, records, tokenizer, per_host_batch: int):
         block_size=int(cfg.block_size),
     )
     return ds, per_epoch, records
+
+
+def kept_anchors(anchors_BN: np.ndarray, buckets: int) -> int:
+    """How many of a batch's N anchor columns to run: the most real anchors of any row, rounded up to a multiple
+    of ceil(N / buckets), so a step takes one of at most `buckets` shapes (each compiles once).
+
+    Anchors are drawn sorted with the -1 padding last (`sample_anchors`), and a padding block has no label, so
+    dropping padding columns leaves the loss and its gradient unchanged: the drafter and the cross-entropy, most
+    of a step, then skip blocks that would train nothing (rows shorter than num_anchors x a few tokens of reply).
+    """
+    n = anchors_BN.shape[1]
+    quantum = math.ceil(n / max(1, int(buckets)))
+    real = int((np.asarray(anchors_BN) >= 0).sum(axis=1).max(initial=0))
+    return min(n, max(1, math.ceil(real / quantum)) * quantum)

@@ -179,6 +179,7 @@ _NULLABLE = {
 _AT_LEAST = {
     "block_size": 2,
     "num_anchors": 1,
+    "anchor_buckets": 1,
     "ce_chunk": 1,
     "train.lr": 0.0,
     "train.batch_size": 1,

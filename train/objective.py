@@ -110,8 +110,10 @@ def chunked_cross_entropy(
         w_DV = jnp.take(w_DV, vocab_ids_U, axis=1)
     w_DV = w_DV.astype(hidden_XD.dtype)
     m, d = hidden_XD.shape
-    chunk = min(chunk, m)  # never pad a short batch up to a whole chunk (K=16 x 16 anchors is 256 rows, not 1024)
-    n_chunks = math.ceil(m / chunk)
+    # As many chunks as `chunk` rows need, of equal size: 2,400 rows go as 3 x 800, not as 3 x 1,024 with 672
+    # rows of padding through both lm_head matmuls.
+    n_chunks = math.ceil(m / min(chunk, m))
+    chunk = math.ceil(m / n_chunks)
     pad = n_chunks * chunk - m
 
     def chunks(x):
@@ -218,13 +220,15 @@ def dflash_loss(
     if labels_BT is not None:
         valid = valid & on_greedy_path(tokens_BT, labels_BT, anchors_BN, block_size)
     slots = block_size if loss_positions is None else min(int(loss_positions) + 1, block_size)
-    hidden, labels, valid = hidden[:, :, :slots], labels[:, :, :slots], valid[:, :, :slots]
+    # Slot 0 holds the given token and is never a label: the cross-entropy, a step's costliest part, covers
+    # slots 1..slots-1 only (1/K of its rows saved, the same loss and gradients).
+    hidden, labels, valid = hidden[:, :, 1:slots], labels[:, :, 1:slots], valid[:, :, 1:slots]
     d = hidden.shape[-1]
     teacher = None
     if teacher_BTD is not None and soft_weight:
         # Slot k's label is token a+k, which the target predicted at position a+k-1.
         t = teacher_BTD.shape[1]
-        idx = jnp.clip(anchors_BN[..., None] + jnp.arange(slots, dtype=jnp.int32) - 1, 0, t - 1)
+        idx = jnp.clip(anchors_BN[..., None] + jnp.arange(1, slots, dtype=jnp.int32) - 1, 0, t - 1)
         teacher = jnp.take_along_axis(teacher_BTD, idx.reshape(idx.shape[0], -1)[..., None], axis=1).reshape(-1, d)
     if vocab_ids_U is not None:
         labels, valid = restrict_vocab(labels, valid, vocab_ids_U, config_of(target_model).vocab_size)
@@ -232,9 +236,9 @@ def dflash_loss(
         target_model, hidden.reshape(-1, d), labels.reshape(-1), ce_chunk, teacher, soft_weight, vocab_ids_U
     )
     nll, correct = nll.reshape(labels.shape), correct.reshape(labels.shape)
-    w = position_weights(block_size, gamma)[:slots] * valid
+    w = position_weights(block_size, gamma)[1:slots] * valid
     loss = jnp.sum(w * nll) / jnp.maximum(jnp.sum(w), 1e-9)
-    n_valid = jnp.sum(valid, axis=(0, 1))[1:]
-    acc = jnp.sum(correct * valid, axis=(0, 1))[1:] / jnp.maximum(n_valid, 1)
+    n_valid = jnp.sum(valid, axis=(0, 1))
+    acc = jnp.sum(correct * valid, axis=(0, 1)) / jnp.maximum(n_valid, 1)
     sim_tau = 1.0 + jnp.sum(jnp.cumprod(acc))
     return loss, {"loss": loss, "acc": acc, "sim_tau": sim_tau, "valid_labels": jnp.sum(valid)}

@@ -88,13 +88,24 @@ def _abstract(module, mesh):
 
 
 def model_flops(
-    tcfg, dcfg, *, batch: int, length: int, anchors: int, block: int, online: bool, labels: bool, vocab: int
+    tcfg,
+    dcfg,
+    *,
+    batch: int,
+    length: int,
+    anchors: int,
+    block: int,
+    online: bool,
+    labels: bool,
+    vocab: int,
+    labelled_slots: int | None = None,
 ) -> dict[str, float]:
     """Matmul FLOPs of one training step (the MFU convention: 2 per multiply-add, elementwise work left out),
     by part. As the code computes them: the target runs up to its deepest feature layer over the whole sequence
     (every layer and the lm_head when it labels the data); each block position scores every context position,
-    masked or not; the cross-entropy runs through `vocab` lm_head rows twice (logits, and the hidden state's
-    gradient in its forward); the drafter's backward costs twice its forward."""
+    masked or not; the cross-entropy runs the `labelled_slots` slots of a block (default K - 1: slot 0 is never a
+    label) through `vocab` lm_head rows twice (logits, and the hidden state's gradient in its forward); the
+    drafter's backward costs twice its forward."""
     tokens, positions = batch * length, batch * anchors * block
 
     def layer(cfg, rows, keys):
@@ -113,7 +124,7 @@ def model_flops(
     return {
         "target_forward": float(target),
         "drafter_forward_backward": 3.0 * drafter_forward,
-        "cross_entropy": 4.0 * positions * d * vocab,
+        "cross_entropy": 4.0 * batch * anchors * (block - 1 if labelled_slots is None else labelled_slots) * d * vocab,
     }
 
 
@@ -216,6 +227,7 @@ def plan(cfg, pod: Pod) -> dict:
             online=not offline,
             labels=prog.target_labels,
             vocab=int(cfg.draft_vocab) if cfg.draft_vocab is not None else tcfg.vocab_size,
+            labelled_slots=k - 1 if prog.loss_positions is None else min(int(prog.loss_positions), k - 1),
         ),
         "xla_flops_per_device": float(cost.get("flops", float("nan"))),
         "compile_s": round(compile_s, 1),

@@ -46,7 +46,7 @@ from dflash_model.speculators_format import VERIFIER_ARCHITECTURES
 from dflash_model.target import build_target, config_of, forward, is_maxtext, randomize
 from dflash_model.tokenizer import load_tokenizer
 from dflash_model.weights import load_target
-from train.batches import build_train_dataset
+from train.batches import build_train_dataset, kept_anchors
 from train.checkpointing import Checkpoints, trim_metrics
 from train.copy_init import FIT_ROWS, fit_copy_circuit
 from train.features import open_or_build
@@ -558,11 +558,20 @@ class Trainer:
         """The next training batch on the mesh: the grain iterator's rows, plus their offline features (and target
         labels) read by record index when the features are precomputed."""
         host = next(self.iterator)
+        host = {**host, "anchors": self._trim_anchors(host["anchors"])}
         if self.features is not None:
             host = {**host, "features": self.features[host["index"]]}
             if self.labels is not None:
                 host["labels"] = self.labels[host["index"]]
         return self.put_batch(host)
+
+    def _trim_anchors(self, anchors_BN):
+        """The batch's anchor columns that hold a real anchor in some row (train.batches.kept_anchors), the same
+        count on every process (one global array shape)."""
+        keep = kept_anchors(anchors_BN, int(self.cfg.anchor_buckets))
+        if jax.process_count() > 1:
+            keep = int(np.max(multihost_utils.process_allgather(np.int32(keep))))
+        return anchors_BN[:, :keep]
 
     def grads(self, batch: dict):
         """(loss, grads) at the current params on a host batch: for sharding-equivalence checks."""
