@@ -682,8 +682,9 @@ def parse_args(argv=None):
     ap.add_argument(
         "--compare",
         metavar="DIR",
-        help="compare every decoder of one drafter directory in one interleaved table: n-gram (K=8), adaptive "
-        "n-gram (K=16), DFlash, adaptive DFlash, hybrid, adaptive hybrid, DDTree (adds to --draft)",
+        help="compare every decoder of one drafter directory in one interleaved table: n-gram (K=8, and at the "
+        "drafter's K, or --block, as ngram-K<K>), adaptive n-gram (K=16), DFlash, adaptive DFlash, hybrid, adaptive "
+        "hybrid, DDTree (adds to --draft)",
     )
     ap.add_argument(
         "--repeats", type=at_least(1), default=1, help="decode every prompt this many times (medians and range)"
@@ -775,7 +776,7 @@ def parse_args(argv=None):
     if args.compare and not (Path(args.compare) / "config.json").is_file():
         ap.error(f"argument --compare: {args.compare!r} is not a drafter directory (no config.json in it)")
     if args.compare:
-        args.draft = (args.draft or []) + compare_specs(args.compare)
+        args.draft = (args.draft or []) + compare_specs(args.compare, args.block)
     if not args.draft:
         ap.error("give --draft (one or more) or --compare DIR")
     return args
@@ -792,10 +793,23 @@ def _profile_names(value: str) -> list[str]:
     return names
 
 
-def compare_specs(drafter_dir: str) -> list[str]:
-    """The --draft values of `--compare DIR`: every way this project decodes with one drafter, and n-gram."""
+def _drafter_block(drafter_dir: str) -> int | None:
+    """The block size K a drafter directory was trained with (its config.json), None where it names none."""
+    try:
+        k = json.loads((Path(drafter_dir) / "config.json").read_text()).get("block_size")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return int(k) if isinstance(k, int) else None
+
+
+def compare_specs(drafter_dir: str, block: int | None = None) -> list[str]:
+    """The --draft values of `--compare DIR`: every way this project decodes with one drafter, and n-gram, at
+    K=8 and, named ngram-K<K>, at the drafter's own K (--block where given), the same-K baseline."""
+    k = block or _drafter_block(drafter_dir)
+    same_k = [f"ngram-K{k}=ngram@{k}"] if k and k != NGRAM_BLOCK else []
     return [
         f"ngram@{NGRAM_BLOCK}",
+        *same_k,
         "adaptive:ngram@16",
         drafter_dir,
         f"adaptive:{drafter_dir}",

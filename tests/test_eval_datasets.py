@@ -122,3 +122,15 @@ def test_batch_two_equals_batch_one_under_greedy():
         assert a["plain_tokens"] == b["plain_tokens"] and a["spec_tokens"] == b["spec_tokens"]
         assert a["accept_lengths"] == b["accept_lengths"]
     assert two["lossless_mismatches"] == 0 and two["decode_tokens_spec"] == one["decode_tokens_spec"]
+
+
+def test_compare_adds_ngram_at_the_drafters_own_k(tmp_path):
+    drafter = tmp_path / "d"
+    drafter.mkdir()
+    (drafter / "config.json").write_text(json.dumps({"block_size": 16}))
+    specs = ev.compare_specs(str(drafter))
+    assert specs[:3] == ["ngram@8", "ngram-K16=ngram@16", "adaptive:ngram@16"]
+    assert ev.compare_specs(str(drafter), 8)[:2] == ["ngram@8", "adaptive:ngram@16"]  # --block 8: one n-gram
+    cfg, _ = load_target(FIXTURES / "tiny_qwen3")
+    drafts = ev._drafts(specs[:2], cfg, None, 0)
+    assert [(d.name, d.block_size) for d in drafts] == [("ngram", 8), ("ngram-K16", 16)]
