@@ -1,8 +1,9 @@
-"""Measure a proposer on a prompt set: tau, survival and per-position acceptance, TPOT and speedup vs plain decoding,
+r"""Measure a proposer on a prompt set: tau, survival and per-position acceptance, TPOT and speedup vs plain decoding,
 the speedup projected on accelerator profiles, lossless check.
 
-  python -m infer.eval --target DIR|FILE.gguf|smollm2 --draft DIR|ngram|random|none \
-      --dataset humaneval|gsm8k|mtbench|FILE.jsonl [--limit N] --max-new-tokens N [--block K] \
+  python -m infer.eval --target DIR|FILE.gguf|smollm2 --draft DIR|ngram|random|none | --compare DIR \
+      --dataset gsm8k|math500|humaneval|mbpp|mtbench|aime25|alpaca|zlab|SET,SET|hf:ORG/NAME[:SPLIT]|FILE.jsonl \
+      [--limit N] [--max-new-tokens N] [--block K] [--temperature T] [--batch-size B] \
       [--profiles tpu-v5p,h100,this-machine] --out DIR
 
 tau, the headline, is tau_pooled = 1 + total accepted drafts / total rounds (every round weighs the same;
@@ -11,11 +12,12 @@ round (z-lab dflash.benchmark's), is reported beside it. Survival S_j = P(at lea
 The measured speedup is wall clock on this machine; a projected speedup is tau over the round cost a profile
 (infer/profiles/NAME.json, in plain decode steps) predicts for the rounds' verify widths, not a timing.
 
-Greedy, batch 1 (the speedup convention). Prompts are chat-templated with thinking off. Both engines are the
-same code: the baseline is proposer none with K = 1. Timing is decode only: prefill and the decode loop are
-separate jitted calls, each compiled before timing, and a decode is timed up to block_until_ready on its
-output (jax.effects_barrier would not wait for a pure computation). Writes DIR/eval.json and
-DIR/acceptance.png and prints a table.
+Greedy, batch 1 by default (the speedup convention of the published DFlash numbers), max 2048 new tokens, thinking
+off; the named sets are worded, subset and multi-turn as z-lab dflash's benchmark takes them. Prompts are
+chat-templated. Both engines are the same code: the baseline is proposer none with K = 1. Timing is decode only:
+prefill and the decode loop are separate jitted calls, each compiled before timing, and a decode is timed up to
+block_until_ready on its output (jax.effects_barrier would not wait for a pure computation). Writes DIR/eval.json,
+DIR/table.md, DIR/acceptance.csv (vllm-project/speculators' columns) and the acceptance plots, and prints the table.
 """
 
 from __future__ import annotations
@@ -671,23 +673,29 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(
         prog="python -m infer.eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--target", required=True)
+    ap.add_argument(
+        "--target", required=True, help="the target: an HF model directory, a .gguf file, or 'smollm2' (required)"
+    )
     ap.add_argument(
         "--draft",
         action="append",
         help=f"the proposer, {DRAFT_HELP}; optionally SPEC@K, "
         "optionally NAME=SPEC to name its row; "
-        "repeat to compare several in one interleaved run (one plain baseline)",
+        "repeat to compare several in one interleaved run (one plain baseline); no default: give --draft or --compare",
     )
     ap.add_argument(
         "--compare",
         metavar="DIR",
         help="compare every decoder of one drafter directory in one interleaved table: n-gram (K=8, and at the "
         "drafter's K, or --block, as ngram-K<K>), adaptive n-gram (K=16), DFlash, adaptive DFlash, hybrid, adaptive "
-        "hybrid, DDTree (adds to --draft)",
+        "hybrid, DDTree (adds to --draft; default: none)",
     )
     ap.add_argument(
-        "--repeats", type=at_least(1), default=1, help="decode every prompt this many times (medians and range)"
+        "--repeats",
+        type=at_least(1),
+        default=1,
+        help="decode every prompt this many times, the order reversed every other time (default 1; the timings "
+        "are medians, their range in brackets)",
     )
     ap.add_argument(
         "--dataset",
@@ -697,7 +705,7 @@ def parse_args(argv=None):
         f"{', '.join(ZLAB)}, at its published counts, one combined table), a comma list of sets, "
         "hf:ORG/NAME[:SPLIT] or hf:ORG/NAME:CONFIG:SPLIT (through `datasets`; a local dataset directory for "
         "ORG/NAME too; split default test, or the only one), or a .jsonl file (each row prompt (text), messages (a "
-        "chat list) or input_ids / token_ids (raw ids, no template)); every text prompt is chat-templated",
+        "chat list) or input_ids / token_ids (raw ids, no template)); every text prompt is chat-templated (required)",
     )
     ap.add_argument(
         "--limit",
@@ -705,7 +713,7 @@ def parse_args(argv=None):
         default=None,
         help="N prompts (items: an MT-Bench item is both its turns) per set (default: all, and in a run of several "
         "sets z-lab's published count of each: " + ", ".join(f"{n} {SETS[n].count}" for n in SETS) + "); a named set "
-        "takes z-lab's subset (Python's random.shuffle seeded 0, then the first N), a file or hf: set its first N",
+        "takes z-lab's subset in the zlab style (Python's random.shuffle seeded 0, then the first N), else its first N",
     )
     ap.add_argument(
         "--prompt-style",
@@ -759,10 +767,20 @@ def parse_args(argv=None):
         help="cut a prompt too long for the target's positions (with --max-new-tokens and K) to its last tokens "
         "that fit, said on stderr and in eval.json (default: refused)",
     )
-    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
-    ap.add_argument("--seed", type=int, default=0, help="init seed of --draft random")
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default=None,
+        help="the target's compute dtype (default: its config's); below float32 the plain answers are also "
+        "compared with float32 plain decoding (flips_vs_fp32)",
+    )
+    ap.add_argument("--seed", type=int, default=0, help="init seed of --draft random (default 0)")
+    ap.add_argument(
+        "--out",
+        required=True,
+        help="the directory (or gs:// path) for eval.json, table.md, acceptance.csv, plots (required)",
+    )
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar on stderr (default: one)")
     ap.add_argument(
         "--profiles",
         type=_profile_names,

@@ -4,6 +4,7 @@ run's settings and weight hashes in eval.json, T > 0 recorded as not token-check
 
 import csv
 import json
+import re
 import shutil
 
 import pytest
@@ -134,3 +135,14 @@ def test_compare_adds_ngram_at_the_drafters_own_k(tmp_path):
     cfg, _ = load_target(FIXTURES / "tiny_qwen3")
     drafts = ev._drafts(specs[:2], cfg, None, 0)
     assert [(d.name, d.block_size) for d in drafts] == [("ngram", 8), ("ngram-K16", 16)]
+
+
+def test_help_gives_every_flags_default(capsys):
+    with pytest.raises(SystemExit):
+        ev.parse_args(["--help"])
+    text = capsys.readouterr().out.split("options:", 1)[1]
+    flags = re.split(r"\n  (?=-)", text)[1:]
+    assert len(flags) > 15
+    for flag in flags:
+        if not flag.startswith("-h"):
+            assert re.search(r"default|required", " ".join(flag.split())), flag
