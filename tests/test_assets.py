@@ -65,6 +65,14 @@ def test_mtbench():
     assert set(Counter(r["category"] for r in rows).values()) == {10}
 
 
+def test_aime2025():
+    rows = assets.aime2025()
+    assert len(rows) == 30
+    assert all(set(r) == {"question", "answer"} for r in rows)
+    assert rows[0]["question"].startswith("Find the sum of all integer bases $b>9$") and rows[0]["answer"] == "70"
+    assert sum(r["answer"].isdigit() for r in rows) == 29  # one answer is written "336^\\circ"
+
+
 @pytest.mark.slow
 def test_sharegpt():
     rows = assets.sharegpt()

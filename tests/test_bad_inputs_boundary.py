@@ -107,7 +107,8 @@ def test_prompts_are_cut_only_when_asked_and_said(tiny_cfg, tmp_path, capsys):
         _eval_args(tmp_path, [[1, 2], [t % 500 for t in long]], "--draft", "ngram", "--max-new-tokens", "64")
         + ["--truncate-prompts"]
     )
-    _, _, _, prompts, said = ev.checked_inputs(args)
+    sets = ev.checked_inputs(args)[2]
+    ((_, prompts, said),) = sets.values()
     assert [len(p) for p in prompts] == [2, 1976] and list(said.values()) == [[2040, 1976]]
 
 
