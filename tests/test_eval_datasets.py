@@ -94,7 +94,7 @@ def test_several_sets_one_table_a_hub_only_set_skipped_offline(chat_target, tmp_
     assert float(rows[0]["acceptance_at_pos_0"]) == pytest.approx(r["survival"][0])
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_a_sampled_run_records_its_temperature_and_no_token_check(tmp_path):
     data = tmp_path / "p.jsonl"
     data.write_text("\n".join(json.dumps({"id": f"p{i}", "token_ids": PROMPT[i:] + PROMPT}) for i in range(2)))
@@ -110,7 +110,7 @@ def test_a_sampled_run_records_its_temperature_and_no_token_check(tmp_path):
     assert (out / "acceptance.csv").read_text().startswith("subset,decoder,num_drafts")
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_batch_two_equals_batch_one_under_greedy():
     cfg, model = load_target(FIXTURES / "tiny_qwen3")
     draft = load_draft_spec("ngram", cfg, 4)
