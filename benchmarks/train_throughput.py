@@ -226,8 +226,12 @@ def measure(cfg_name: str, overrides: list[str], steps: int, target=None) -> dic
         trainer = Trainer(cfg, restore=False, target=target)
         build_s = time.perf_counter() - t0
         trainer.train()
-        recs = [json.loads(ln) for ln in Path(tmp, "metrics.jsonl").read_text().splitlines()][1:]
+        # steps that compiled (the first, and the first of each new anchor-column count) are not timed
+        recs = [json.loads(ln) for ln in Path(tmp, "metrics.jsonl").read_text().splitlines()]
+        recs = [r for r in recs if "step" in r and not r.get("compiled", r["step"] == 1)]
         ph = phases(trainer)
+    if not recs:
+        raise SystemExit(f"every one of the {steps} steps compiled (new anchor-column counts): give --steps more")
     step_s = statistics.median(r["step_s"] for r in recs)
     blocks = statistics.median(r["anchors_per_s"] * r["step_s"] for r in recs)
     labels = statistics.median(r["valid_labels"] for r in recs)

@@ -614,6 +614,7 @@ class Trainer:
         tb = self._tensorboard()
         every = int(cfg.checkpoint.every_steps)
         timed, t_tokens, t_anchors, t_time, first_time = 0, 0, 0, 0.0, None
+        shapes = set()  # anchor columns run so far: a step of a new count compiles (train.batches.kept_anchors)
         stopped = None
         profile = Profile(self.run_dir / "profile", int(cfg.log.profile_start), int(cfg.log.profile_steps))
         try:
@@ -638,8 +639,11 @@ class Trainer:
                     )
                 profile.after(step)
                 tokens, anchors = int(metrics["tokens"]), int(metrics["anchors"])
-                if first_time is None:
-                    first_time = dt  # includes compilation
+                columns = int(batch["anchors"].shape[1])
+                compiled = columns not in shapes
+                shapes.add(columns)
+                if compiled:
+                    first_time = dt if first_time is None else first_time  # includes compilation: not timed
                 else:
                     timed, t_tokens, t_anchors, t_time = timed + 1, t_tokens + tokens, t_anchors + anchors, t_time + dt
                 rec = {
@@ -652,6 +656,8 @@ class Trainer:
                     "tokens_per_s": tokens / dt,
                     "anchors_per_s": anchors / dt,
                     "step_s": dt,
+                    "anchor_columns": columns,
+                    "compiled": compiled,
                     "acc": [float(a) for a in metrics["acc"]],
                 }
                 self._log(rec, tb)
