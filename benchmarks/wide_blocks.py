@@ -137,8 +137,8 @@ def eval_set(spec: str, arms: list[dict], k_infer: list[str], args, out: Path) -
         drafts = [f"shipped@{k}={SHIPPED}@{k}" for k in widths(k_infer, 16)]
         drafts += [f"{a['arm']}@{k}={a['export']}@{k}" for a in arms for k in widths(k_infer, a["k_train"])]
         # --prompt-style raw: the sets' first items as written, the prompts of the study's committed results
-        cmd = [sys.executable, "-m", "infer.eval", "--target", "smollm2", "--dataset", name, "--prompt-style", "raw", "--limit",
-               str(args.limit), "--max-new-tokens", tokens or str(args.max_new_tokens), "--out", str(dest),
+        cmd = [sys.executable, "-m", "infer.eval", "--target", "smollm2", "--dataset", name, "--prompt-style", "raw",
+               "--limit", str(args.limit), "--max-new-tokens", tokens or str(args.max_new_tokens), "--out", str(dest),
                "--no-progress", "--draft", "ngram@16", *(x for d in drafts for x in ("--draft", d))]  # fmt: skip
         run(cmd, out / f"eval-{name}.log")
     return json.loads((dest / "eval.json").read_text())
