@@ -1,6 +1,6 @@
 """The target features carry the context into training: on a task only the context can solve, a drafter trained
 with them learns it and the zero-feature ablation cannot, while both learn what the block alone tells them.
-benchmarks/synthetic_tasks.py is the same run (train.tiny_runs), with a longer copy task beside it.
+The run: train.tiny_runs.run_task.
 """
 
 import pytest
