@@ -420,7 +420,8 @@ def test_grown_config_keeps_the_loaded_layer_types_and_window():
     layer where the run has a full one, or a run with another window, is refused or differs (never silently
     re-masked)."""
     from dflash_model.config import preset
-    from train.trainer import _grown_config, drafter_config
+    from train.starts import _grown_config
+    from train.trainer import drafter_config
 
     def dcfg(*overrides):
         cfg = load_config("tiny", list(overrides))

@@ -327,7 +327,9 @@ def _check_drafter(d: dict, draft_vocab) -> None:
             f"drafter.target_layer_ids={list(d['target_layer_ids'])} has {len(d['target_layer_ids'])} "
             f"layers but drafter.n_features={d['n_features']}: set them to agree"
         )
-    init_is_dir = d["init"] not in (None, "target", "copy")  # the other inits build a drafter, load none
+    from train.starts import start_of  # the registry's reading of drafter.init; it imports the model stack
+
+    init_is_dir = start_of(d["init"]) == "directory"  # the other starts build a drafter, load none
     if d["init_layers"] is not None and not init_is_dir:
         raise ValueError(
             f"drafter.init_layers={list(d['init_layers'])} grows a loaded drafter: it needs drafter.init "

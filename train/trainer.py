@@ -5,7 +5,6 @@ checkpoints (`train.checkpointing`: drafter params + optimizer state + step + gr
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import math
@@ -26,19 +25,13 @@ from data import assets
 from dflash_model import sharding as shd
 from dflash_model.config import preset
 from dflash_model.drafter import (
-    build_drafter,
     check_pairing,
-    copy_target_layers,
     drafter_config_for,
     drafter_preset,
-    scale_output_norm,
 )
 from dflash_model.drafter_weights import (
-    DRAFT_VOCAB_FILE,
     export_config,
     export_drafter,
-    load_draft_vocab,
-    load_drafter,
     zlab_config,
 )
 from dflash_model.files import local_dir, open_run_dir, pull, push, run_path
@@ -48,9 +41,9 @@ from dflash_model.tokenizer import load_tokenizer
 from dflash_model.weights import load_target
 from train.batches import build_train_dataset
 from train.checkpointing import Checkpoints, trim_metrics
-from train.copy_init import FIT_ROWS, fit_copy_circuit
 from train.features import open_or_build
 from train.objective import gamma_of
+from train.starts import init_draft_vocab, start_drafter
 from train.step import BATCH_KEYS, Program, make_optimizer, optimizer_shardings, step_loss, train_step
 
 log = logging.getLogger("dflash.train")
@@ -146,74 +139,6 @@ def export_verifier(cfg, target_cfg) -> dict:
     return {"name_or_path": None if name is None else str(name), "architectures": [arch] if arch else []}
 
 
-def init_weights(drafter, dcfg, init_dir, target_cfg, layers=None) -> None:
-    """Overwrite `drafter`'s parameters (in place) with a z-lab drafter directory's, cast to fp32.
-
-    The directory's architecture must equal `dcfg` but for block_size (the weights do not depend on K) and dtype;
-    a difference is an error naming drafter.init and the fields.
-
-    `layers` (drafter.init_layers) grows a loaded drafter: one entry per layer of `dcfg`, the directory's layer it
-    starts from, or None for a new layer that starts as the identity (its o_proj and down_proj zeroed, the rest as
-    `drafter` holds them), so the grown drafter starts out drafting exactly what the loaded one drafts.
-    """
-    icfg, loaded = load_drafter(init_dir, target_cfg, dtype="float32")
-    icfg = icfg.replace(block_size=dcfg.block_size)
-    if layers is not None:
-        icfg = _grown_config(icfg, dcfg, list(layers), init_dir)
-    if icfg != dcfg:
-        diff = {
-            f.name: (getattr(icfg, f.name), getattr(dcfg, f.name))
-            for f in dataclasses.fields(dcfg)
-            if getattr(icfg, f.name) != getattr(dcfg, f.name)
-        }
-        raise ValueError(
-            f"drafter.init={init_dir}: its architecture differs from the config's (field: (checkpoint, config)): {diff}"
-        )
-    if layers is None:
-        nnx.update(drafter, nnx.state(loaded, nnx.Param))
-        return
-    for name in ("fc", "hidden_norm", "norm"):
-        getattr(drafter, name).set_value(getattr(loaded, name).get_value())
-    for i, src in enumerate(layers):
-        if src is None:
-            attn, mlp = drafter.layers[i].self_attn, drafter.layers[i].mlp
-            attn.o_proj.set_value(jnp.zeros_like(attn.o_proj.get_value()))
-            mlp.down_proj.set_value(jnp.zeros_like(mlp.down_proj.get_value()))
-        else:
-            nnx.update(drafter.layers[i], nnx.state(loaded.layers[src], nnx.Param))
-
-
-def _grown_config(icfg, dcfg, layers: list, init_dir):
-    """The loaded drafter's config as drafter.init_layers grows it (to compare with the run's): a clear error for a
-    mapping that does not fit the two drafters."""
-    n_in = icfg.num_hidden_layers
-    if len(layers) != dcfg.num_hidden_layers:
-        raise ValueError(
-            f"drafter.init_layers={layers}: {len(layers)} entries for drafter.num_layers={dcfg.num_hidden_layers}"
-        )
-    for i, src in enumerate(layers):
-        if src is None:
-            continue
-        if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < n_in:
-            raise ValueError(
-                f"drafter.init_layers={layers}: entry {i} is {src!r}, not null or a layer of drafter.init={init_dir} "
-                f"(0..{n_in - 1})"
-            )
-        if icfg.layer_type(src) != dcfg.layer_type(i):
-            raise ValueError(
-                f"drafter.init_layers={layers}: layer {i} is {dcfg.layer_type(i)} but drafter.init={init_dir}'s "
-                f"layer {src} is {icfg.layer_type(src)}"
-            )
-    # The layer types now match the run's where mapped, and new layers take the run's. A sliding window is the
-    # loaded drafter's own when it has sliding layers (a copied sliding layer keeps its mask: a run that sets
-    # another window differs below); else the run's, which only new layers use.
-    return icfg.replace(
-        num_hidden_layers=dcfg.num_hidden_layers,
-        layer_types=dcfg.layer_types,
-        sliding_window=icfg.sliding_window if icfg.layer_types is not None else dcfg.sliding_window,
-    )
-
-
 def check_token_ids(records, vocab_size: int, cfg) -> None:
     """Refuse data whose token ids the target cannot embed (a tokenizer larger than the target's vocabulary):
     an out-of-range id embeds as NaN, and the run would die at step 1 with a loss of nan, naming nothing."""
@@ -242,20 +167,6 @@ def draft_vocabulary(records, vocab_size: int, size: int) -> np.ndarray:
         ids = ids[np.asarray(r["loss_mask"], bool)[: ids.size]]
         counts += np.bincount(ids[(ids >= 0) & (ids < vocab_size)], minlength=vocab_size)
     return np.argsort(-counts, kind="stable")[:size].astype(np.int32)
-
-
-def init_draft_vocab(cfg, vocab_size: int) -> np.ndarray:
-    """drafter.init_vocab: the draft vocabulary saved beside the drafter.init directory, of draft_vocab's size."""
-    init = cfg.drafter.init  # a drafter directory, and draft_vocab set: train.config checks both
-    ids = load_draft_vocab(init, vocab_size)
-    if ids is None:
-        raise ValueError(f"drafter.init_vocab=true: {Path(init) / DRAFT_VOCAB_FILE} does not exist")
-    if len(ids) != int(cfg.draft_vocab):
-        raise ValueError(
-            f"drafter.init_vocab=true: {Path(init) / DRAFT_VOCAB_FILE} holds {len(ids)} tokens, draft_vocab="
-            f"{cfg.draft_vocab}"
-        )
-    return np.asarray(ids, np.int32)
 
 
 def check_eval_lengths(cfg, positions: int) -> None:
@@ -334,29 +245,6 @@ def objective_options(cfg) -> tuple[int | None, float]:
             f"target's last layer, computed in the step), not {cfg.features.mode!r}"
         )
     return loss_positions, distill_weight
-
-
-def start_drafter(cfg, drafter_cfg, target, records):
-    """The drafter a run starts from: fresh (seed), or by drafter.init: the target's layers ("target"), a fitted
-    copy circuit ("copy"), or a drafter directory (grown by drafter.init_layers); drafter.init_logit_std scales a
-    fresh one's output norm."""
-    drafter = build_drafter(drafter_cfg, seed=int(cfg.seed))
-    init = cfg.drafter.init
-    if init is None:
-        if cfg.drafter.init_logit_std is not None:
-            drafter = scale_output_norm(drafter, target, float(cfg.drafter.init_logit_std))
-        return drafter
-    if cfg.drafter.init_logit_std is not None:
-        raise ValueError(
-            f"drafter.init={init} and drafter.init_logit_std both set: an initialised drafter keeps its own output norm"
-        )
-    if init == "target":
-        return copy_target_layers(drafter, target)
-    if init == "copy":
-        fit_rows = [records[i]["input_ids"] for i in range(min(FIT_ROWS, len(records)))]
-        return fit_copy_circuit(drafter, target, fit_rows, gamma=gamma_of(cfg), loss_positions=cfg.loss_positions)
-    init_weights(drafter, drafter_cfg, init, config_of(target), cfg.drafter.init_layers)
-    return drafter
 
 
 class Trainer:
