@@ -1,6 +1,6 @@
-"""Where a run's drafter starts: a registry of starts (name -> function), and `start_of`, the one place that reads
-which one drafter.init asks for: null a random start, `copy` the in-context copy circuit, anything else a z-lab
-drafter directory (grown by drafter.init_layers, its draft vocabulary kept by drafter.init_vocab).
+"""Where a run's drafter starts: a registry of starts (name -> function); `train.config.start_of` is the one
+place that reads which one drafter.init asks for: null a random start, `copy` the in-context copy circuit, anything
+else a z-lab drafter directory (grown by drafter.init_layers, its draft vocabulary kept by drafter.init_vocab).
 
 A start takes (cfg, drafter, target, records), `drafter` freshly built from the run's seed, and returns the drafter
 the first step trains.
@@ -19,17 +19,9 @@ from flax import nnx
 from dflash_model.drafter import build_drafter, scale_output_norm
 from dflash_model.drafter_weights import DRAFT_VOCAB_FILE, load_draft_vocab, load_drafter
 from dflash_model.target import config_of
+from train.config import start_of
 from train.copy_init import FIT_ROWS, fit_copy_circuit
 from train.objective import gamma_of
-
-NAMED = ("copy",)  # drafter.init values that name a start rather than a directory
-
-
-def start_of(init) -> str:
-    """The registry key drafter.init selects (train.config validates with it too)."""
-    if init is None:
-        return "random"
-    return init if init in NAMED else "directory"
 
 
 def random_start(cfg, drafter, target, records):
