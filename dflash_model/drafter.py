@@ -496,7 +496,7 @@ def block_logits(
 ):
     """[B, K-1, V] fp32 logits of the drafter at positions 1..K-1 of the block [last, MASK x (K-1)].
 
-    vocab_ids_U: the draft vocabulary the drafter was trained on (FR-Spec; `train.trainer.draft_vocabulary`):
+    vocab_ids_U: the draft vocabulary the drafter was trained on (FR-Spec; `train.assembly.draft_vocabulary`):
     logits over those U tokens only, [B, K-1, U], index u standing for token vocab_ids_U[u]. It is what the
     training loss saw, and the lm_head then reads U rows instead of V (SmolLM2: 8,192 of 49,152)."""
     if block_size < 2:

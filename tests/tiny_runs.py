@@ -132,7 +132,7 @@ def trainer_config(s: Settings, run_dir: Path, rows: int | None = None):
 
 
 def tiny_target(cfg, std: float):
-    """configs/tiny.yml's random target exactly as train.trainer.load_target_model builds it, at init scale std."""
+    """configs/tiny.yml's random target exactly as train.assembly.load_target_model builds it, at init scale std."""
 
     t = cfg.target
     tcfg = preset(t.preset).replace(**dict(t.arch), dtype=t.dtype)
