@@ -43,7 +43,7 @@ from dflash_model.layers import (
     swiglu,
 )
 from dflash_model.sharding import constrain_batch
-from dflash_model.target import KVCache, config_of, embed, is_maxtext, lm_head, lm_head_weight, write_rows
+from dflash_model.target import KVCache, config_of, embed, lm_head, lm_head_weight, write_rows
 
 ATTENTION_TYPES = ("full_attention", "sliding_attention")
 
@@ -324,52 +324,6 @@ def scale_output_norm(drafter: Drafter, target_model: nnx.Module, logit_std: flo
     return drafter
 
 
-def copy_target_layers(drafter: Drafter, target_model: nnx.Module) -> Drafter:
-    """Start the drafter as the target's own top layers: a trainer-side initialisation (no public DFlash trainer
-    has one; the checkpoint format is unchanged). Needs a drafter shaped like the target's layers.
-
-    The n draft layers take the weights of target layers f+1 .. f+n, where f is the last feature layer (SmolLM2's
-    [1, 8, 14, 20, 27] and 2 draft layers: layers 28 and 29), or the target's last n layers when those do not
-    exist. fc passes feature f through unchanged and hidden_norm takes layer f+1's input norm, so the first draft
-    layer's context keys and values are the ones target layer f+1 computes at those positions; the final norm is
-    the target's. What stays unlike the target: the block's own stream enters as token embeddings, not as layer
-    f's residual; every layer reads the same context; and a Llama target has no q/k norms (they start at one).
-    """
-    cfg, tcfg = drafter.config, config_of(target_model)
-    check_pairing(cfg, tcfg)
-    if is_maxtext(target_model):
-        raise ConfigError("drafter.init=target reads the Tunix target's layers: not available with target.maxtext")
-    if (cfg.intermediate_size, cfg.num_attention_heads, cfg.head_dim) != (
-        tcfg.intermediate_size,
-        tcfg.num_attention_heads,
-        tcfg.head_dim,
-    ):
-        raise ConfigError("copy_target_layers: the drafter's layers must be shaped like the target's")
-    n, last_feature = cfg.num_hidden_layers, max(cfg.target_layer_ids)
-    first = last_feature + 1 if last_feature + n < tcfg.num_hidden_layers else tcfg.num_hidden_layers - n
-    dtype = _dtype(drafter)
-    # A copy per parameter: sharing the target's buffers (or one buffer between two parameters) breaks donation.
-    put = lambda param, value: param.set_value(jnp.array(value, dtype, copy=True))
-    for i, layer in enumerate(drafter.layers):
-        src = target_model.layers[first + i]
-        put(layer.input_layernorm, src.input_layernorm.w[...])
-        put(layer.post_attention_layernorm, src.post_attention_layernorm.w[...])
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            put(getattr(layer.self_attn, name), getattr(src.attn, name).w[...])
-        if tcfg.qk_norm:
-            put(layer.self_attn.q_norm, src.attn.q_norm.w[...])
-            put(layer.self_attn.k_norm, src.attn.k_norm.w[...])
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            put(getattr(layer.mlp, name), getattr(src.mlp, name).kernel[...])
-    d, slot = cfg.hidden_size, cfg.target_layer_ids.index(last_feature)
-    fc = np.zeros((cfg.feature_size, d), np.float32)
-    fc[slot * d : (slot + 1) * d] = np.eye(d, dtype=np.float32)
-    put(drafter.fc, fc)
-    put(drafter.hidden_norm, target_model.layers[first].input_layernorm.w[...])
-    put(drafter.norm, target_model.final_norm.w[...])
-    return drafter
-
-
 # ----------------------------------------------------------------------------------------------------------
 # Shared maths.
 
@@ -542,7 +496,7 @@ def block_logits(
 ):
     """[B, K-1, V] fp32 logits of the drafter at positions 1..K-1 of the block [last, MASK x (K-1)].
 
-    vocab_ids_U: the draft vocabulary the drafter was trained on (FR-Spec; `train.trainer.draft_vocabulary`):
+    vocab_ids_U: the draft vocabulary the drafter was trained on (FR-Spec; `train.assembly.draft_vocabulary`):
     logits over those U tokens only, [B, K-1, U], index u standing for token vocab_ids_U[u]. It is what the
     training loss saw, and the lm_head then reads U rows instead of V (SmolLM2: 8,192 of 49,152)."""
     if block_size < 2:

@@ -356,7 +356,7 @@ def test_an_unreachable_uri_run_dir_is_refused_at_start(gcs, mode, said, tmp_pat
     from train.run import main
 
     monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr("train.trainer.load_target_model", lambda *a, **k: pytest.fail("the target loaded"))
+    monkeypatch.setattr("train.assembly.load_target_model", lambda *a, **k: pytest.fail("the target loaded"))
     gcs.mode = mode
     t = time.perf_counter()
     with pytest.raises(ValueError, match=rf"run_dir=gs://bucket/run: .*{said}"):

@@ -1,8 +1,8 @@
-"""The HumanEval-shaped code prompts of tools/gpu_burst/pack.py: a signature and its docstring, body left out."""
+"""The HumanEval-shaped code prompts of data/code_prompts.py: a signature and its docstring, body left out."""
 
 import ast
 
-from tools.gpu_burst.pack import code_prompts
+from data.code_prompts import code_prompts
 
 DOC = "Return the sum of a and b, each an int; raises TypeError for anything else given."
 

@@ -338,7 +338,7 @@ def test_continued_training_can_keep_the_init_drafters_vocabulary(tmp_path):
     """drafter.init_vocab=true takes draft_vocab.json from the drafter.init directory, in its order; a missing file, a
     size other than draft_vocab's, an init that is not a directory and no draft_vocab are refused by name."""
     from train.config import load_config
-    from train.trainer import init_draft_vocab
+    from train.starts import init_draft_vocab
 
     shipped = Path(__file__).resolve().parents[1] / "drafters" / "smollm2-135m-dflash"
     want = json.loads((shipped / "draft_vocab.json").read_text())["token_ids"]

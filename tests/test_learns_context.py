@@ -1,11 +1,10 @@
 """The target features carry the context into training: on a task only the context can solve, a drafter trained
 with them learns it and the zero-feature ablation cannot, while both learn what the block alone tells them.
-benchmarks/synthetic_tasks.py is the same run (train.tiny_runs), with a longer copy task beside it.
+The run: tests/tiny_runs.py, run_task.
 """
 
 import pytest
-
-from train.tiny_runs import run_task
+from tiny_runs import run_task
 
 
 @pytest.mark.long

@@ -1,13 +1,17 @@
 """The README stays a true front door: its Layout table names paths that exist and every module of the four
-packages, it stays short, and the relative links of the README and the results page lead to files that exist."""
+packages, it stays short, the relative links of the docs and drafter READMEs lead to files that exist, and every
+entry of docs/results/ is named from outside itself."""
 
 import re
+import subprocess
 
 import pytest
 from conftest import REPO
 
 PACKAGES = ("dflash_model", "train", "infer", "data")
-LINKED = ("README.md", "docs/results.md", "docs/training.md", "docs/decoding.md", "docs/design.md")
+LINKED = sorted(
+    str(p.relative_to(REPO)) for p in [REPO / "README.md", *REPO.glob("docs/*.md"), *REPO.glob("drafters/*/README.md")]
+)
 MAX_README_LINES = 200
 
 
@@ -65,3 +69,20 @@ def test_relative_links_resolve(doc):
         if not (path.parent / file).exists():
             broken.append(target)
     assert not broken, f"{doc} links to files that do not exist: {broken}"
+
+
+def test_every_result_is_named():
+    """A results folder or file that no document, drafter README, other results page or code names is a leftover."""
+    tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    entries = sorted({f.split("/")[2] for f in tracked if f.startswith("docs/results/")})
+    texts = {f: (REPO / f).read_text(errors="ignore") for f in tracked if f.endswith((".md", ".py", ".yml", ".json"))}
+    unnamed = [
+        e
+        for e in entries
+        if not any(
+            re.search(rf"results/{re.escape(e)}(?![\w.-])", text)
+            for f, text in texts.items()
+            if not f.startswith(f"docs/results/{e}")
+        )
+    ]
+    assert not unnamed, f"docs/results/ holds entries nothing names: {unnamed}"

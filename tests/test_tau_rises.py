@@ -1,13 +1,11 @@
 """Training raises tau: on the tiny random target, a drafter trained for a few hundred steps on the target's own
 greedy text has a simulated tau (the training metric) and a real tau (the speculative engine through
 infer/eval.py's loader and decode loop, on held-out prompts) well above the untrained drafter's, and speculative
-output stays equal to plain greedy output. benchmarks/tiny_tau.py is the same run (train.tiny_runs), longer,
-with a table.
+output stays equal to plain greedy output. The run: tests/tiny_runs.py, run_tiny_tau.
 """
 
 import pytest
-
-from train import tiny_runs as tt
+import tiny_runs as tt
 
 
 @pytest.mark.long

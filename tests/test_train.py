@@ -317,7 +317,7 @@ def test_drafter_layer_types_from_the_config():
     a sliding layer, or a list of the wrong length, is refused naming the key."""
     from dflash_model.config import ConfigError, preset
     from dflash_model.drafter_weights import zlab_config
-    from train.trainer import drafter_config
+    from train.assembly import drafter_config
 
     def dcfg(*overrides):
         cfg = load_config("tiny", list(overrides))
@@ -420,7 +420,8 @@ def test_grown_config_keeps_the_loaded_layer_types_and_window():
     layer where the run has a full one, or a run with another window, is refused or differs (never silently
     re-masked)."""
     from dflash_model.config import preset
-    from train.trainer import _grown_config, drafter_config
+    from train.assembly import drafter_config
+    from train.starts import _grown_config
 
     def dcfg(*overrides):
         cfg = load_config("tiny", list(overrides))
@@ -464,7 +465,7 @@ def test_offline_features_are_keyed_by_the_token_ids(run30, tmp_path):
 def test_token_ids_beyond_the_target_vocabulary_are_refused_before_training():
     """A tokenizer larger than the target's vocabulary once showed up as 'loss is nan at step 1'."""
     from data.pipeline import TokenizedRecords
-    from train.trainer import check_token_ids
+    from train.assembly import check_token_ids
 
     cfg = load_config("tiny")
     ok = TokenizedRecords.from_examples([{"input_ids": [1, 2, 511], "loss_mask": [0, 1, 1]}])

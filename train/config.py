@@ -322,13 +322,23 @@ def _check_source(source: str) -> None:
         )
 
 
+NAMED_STARTS = ("copy",)  # drafter.init values that name a start (train.starts.STARTS) rather than a directory
+
+
+def start_of(init) -> str:
+    """The one reading of drafter.init: the key of train.starts.STARTS it selects (null a random start)."""
+    if init is None:
+        return "random"
+    return init if init in NAMED_STARTS else "directory"
+
+
 def _check_drafter(d: dict, draft_vocab) -> None:
     if d["target_layer_ids"] is not None and len(d["target_layer_ids"]) != d["n_features"]:
         raise ValueError(
             f"drafter.target_layer_ids={list(d['target_layer_ids'])} has {len(d['target_layer_ids'])} "
             f"layers but drafter.n_features={d['n_features']}: set them to agree"
         )
-    init_is_dir = d["init"] not in (None, "target", "copy")  # the other inits build a drafter, load none
+    init_is_dir = start_of(d["init"]) == "directory"  # the other starts build a drafter, load none
     if d["init_layers"] is not None and not init_is_dir:
         raise ValueError(
             f"drafter.init_layers={list(d['init_layers'])} grows a loaded drafter: it needs drafter.init "

@@ -2,9 +2,9 @@
 (`drafter.init: copy`). No public DFlash trainer initialises its drafter this way; written by hand because no
 library builds attention circuits from data.
 
-What n-gram drafting exploits, and what a random-init drafter takes ~10^5 blocks to learn (docs/lab-notes.md,
-`copy16`), is copying: if the block's first token x_a occurred before at p, propose what followed it there. On
-the default run's replies, "the successor of x_a's latest earlier occurrence" is right for a third of the
+What n-gram drafting exploits, and what a random-init drafter takes ~10^5 blocks to learn (docs/results.md, "The
+copy-circuit start"), is copying: if the block's first token x_a occurred before at p, propose what followed it
+there. On the default run's replies, "the successor of x_a's latest earlier occurrence" is right for a third of the
 slot-1 labels. The circuit, with two draft layers:
 
   layer 0, a sliding layer with window 2 and near-zero scores (every query averages itself and the slot before):
@@ -65,7 +65,7 @@ def predictable_codes(e_hat: np.ndarray, ids: np.ndarray, feats: np.ndarray, mas
     the mask codes to 0. `e_hat[t] @ code.T` is token t's code.
 
     Against the whitened principal directions of the embeddings (every direction, however hard to read from the
-    features), held-out slot-1 accuracy of the circuit 0.284 -> 0.310 (docs/lab-notes.md, "Third version")."""
+    features), held-out slot-1 accuracy of the circuit 0.284 -> 0.310 (docs/results.md, "The copy-circuit start")."""
     d = e_hat.shape[1]
     seen = np.unique(ids)
     fixed = np.linalg.qr(np.stack([e_hat[seen].mean(0), e_hat[mask_token_id]], 1))[0]  # [D, 2]
@@ -94,7 +94,7 @@ def _logit_preserving_rank(fitted: np.ndarray, w: np.ndarray, head: np.ndarray, 
     [rank, D]) with x @ w_code @ basis the cut map. The plain principal directions of the fitted hidden keep its
     largest components, most of which every token scores alike: on held-out rows of the default run's replies, the
     rank-192 value's argmax over the draft vocabulary is the next token 0.627 of the time this way, 0.543 that way
-    (docs/lab-notes.md, "Second version")."""
+    (docs/results.md, "The copy-circuit start")."""
     ev, eq = np.linalg.eigh(head.T @ head)
     ev = np.maximum(ev, 1e-6 * ev.max())
     root, inv_root = (eq * np.sqrt(ev)) @ eq.T, (eq / np.sqrt(ev)) @ eq.T

@@ -30,8 +30,8 @@ from dflash_model.drafter import Drafter
 from dflash_model.sharding import batch_sharding, param_specs
 from dflash_model.target import build_target
 from dflash_model.weights import load_target_config
+from train.assembly import drafter_config, resolve_mesh, target_path
 from train.step import Program, make_optimizer, optimizer_shardings, train_step
-from train.trainer import drafter_config, resolve_mesh, target_path
 
 GIB = 1 << 30
 

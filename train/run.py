@@ -98,8 +98,9 @@ def _run(name: str, overrides: list[str], cfg, lock) -> dict:
     import jax
 
     from train import workflow
+    from train.assembly import load_target_model, resolve_mesh
     from train.config import load_config
-    from train.trainer import Trainer, load_target_model, resolve_mesh
+    from train.trainer import Trainer
 
     log = logging.getLogger("dflash.train")
     target = tokenizer = heldout = None

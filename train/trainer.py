@@ -1,6 +1,7 @@
-"""The DFlash trainer: builds the drafter, data, optimizer state and `Program` from a Config, runs the loop
-(`train`: one `train.step.train_step` per batch, metrics, signals, export), and resumes bit for bit from Orbax
-checkpoints (`train.checkpointing`: drafter params + optimizer state + step + grain iterator state).
+"""The DFlash trainer: receives a run's world (`train.assembly.build_run`: target, drafter start, data, draft
+vocabulary, features), sets up the optimizer state, runs the loop (`train`: one `train.step.train_step` per batch,
+metrics, signals, export), and resumes bit for bit from Orbax checkpoints (`train.checkpointing`: drafter params +
+optimizer state + step + grain iterator state).
 """
 
 from __future__ import annotations
@@ -22,36 +23,21 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
-from data import assets
 from dflash_model import sharding as shd
-from dflash_model.config import preset
-from dflash_model.drafter import (
-    build_drafter,
-    check_pairing,
-    copy_target_layers,
-    drafter_config_for,
-    drafter_preset,
-    scale_output_norm,
-)
 from dflash_model.drafter_weights import (
-    DRAFT_VOCAB_FILE,
-    export_config,
     export_drafter,
-    load_draft_vocab,
-    load_drafter,
     zlab_config,
 )
 from dflash_model.files import local_dir, open_run_dir, pull, push, run_path
-from dflash_model.speculators_format import VERIFIER_ARCHITECTURES
-from dflash_model.target import build_target, config_of, forward, is_maxtext, randomize
-from dflash_model.tokenizer import load_tokenizer
-from dflash_model.weights import load_target
-from train.batches import build_train_dataset, kept_anchors
+from dflash_model.target import forward
+from train.assembly import EXPORT_LAYOUT, Run, build_run, export_verifier, load_target_model, resolve_mesh
+from train.batches import kept_anchors
 from train.checkpointing import Checkpoints, trim_metrics
-from train.copy_init import FIT_ROWS, fit_copy_circuit
-from train.features import open_or_build
 from train.objective import gamma_of
 from train.step import BATCH_KEYS, Program, make_optimizer, optimizer_shardings, step_loss, train_step
+
+# load_target_model and resolve_mesh live in train.assembly; scripts import them from here as well.
+__all__ = ["Trainer", "TrainingDiverged", "load_target_model", "resolve_mesh"]
 
 log = logging.getLogger("dflash.train")
 
@@ -62,230 +48,6 @@ class TrainingDiverged(RuntimeError):
 
 # ----------------------------------------------------------------------------------------------------------
 # Building blocks (each callable alone from tests).
-
-
-def target_path(path):
-    """cfg.target.path as a local file or directory: an `asset:NAME` resolved to the cached asset (fetched the first
-    time), anything else as given."""
-    if isinstance(path, str) and path.startswith("asset:"):
-        return assets.path(path.split(":", 1)[1])
-    return path
-
-
-def load_target_model(cfg, mesh=None):
-    """(target module, tokenizer path or None) for cfg.target: real weights from a path, or a random preset."""
-    t = cfg.target
-    if t.maxtext is not None:
-        if t.path is None:
-            raise ValueError(
-                "target.maxtext needs target.path: the HF directory whose config.json and tokenizer it has"
-            )
-        from dflash_model.maxtext_target import load_maxtext_target  # the optional maxtext extra
-
-        model = load_maxtext_target(t.path, t.maxtext, dtype=t.dtype, mesh=mesh, max_length=int(cfg.train.max_len))
-        return model, Path(t.path)
-    if t.path is not None:
-        path = target_path(t.path)
-        _, model = load_target(path, dtype=t.dtype, mesh=mesh)  # sharded as it loads: no single-device copy
-        return model, Path(path)
-    tcfg = preset(t.preset).replace(**dict(t.arch), dtype=t.dtype)
-    # Random targets are for shapes, throughput and tests. Built abstract (Tunix's initialisers would compile a
-    # few dozen jitted functions only to be overwritten), then filled by randomize(), which also avoids the
-    # all-zero MLPs Tunix starts from.
-    model = nnx.eval_shape(lambda: build_target(tcfg, seed=int(cfg.seed)))
-    return randomize(model, seed=int(cfg.seed)), None
-
-
-def drafter_config(cfg, target_cfg):
-    """The drafter architecture for cfg (preset or shaped like the target), at cfg.block_size, fp32 master weights."""
-    d = cfg.drafter
-    if d.preset is not None:
-        dcfg = drafter_preset(d.preset)
-    else:
-        if d.mask_token_id is None:
-            raise ValueError("drafter.mask_token_id is required when drafter.preset is null")
-        ids = tuple(d.target_layer_ids) if d.target_layer_ids is not None else None
-        dcfg = drafter_config_for(
-            target_cfg,
-            mask_token_id=int(d.mask_token_id),
-            num_layers=int(d.num_layers),
-            n_features=int(d.n_features),
-            intermediate_size=d.intermediate_size,
-            target_layer_ids=ids,
-        )
-    if d.layer_types is not None:
-        # DrafterConfig checks the names and that there is one per layer, naming the key.
-        window = int(d.sliding_window) if d.sliding_window is not None else None
-        dcfg = dcfg.replace(layer_types=tuple(d.layer_types), sliding_window=window)
-    elif d.sliding_window is not None:
-        raise ValueError(
-            f"drafter.sliding_window={d.sliding_window} needs drafter.layer_types with a sliding_attention layer"
-        )
-    # AdamW on bf16 weights loses small updates; the drafter trains in fp32 and is cast at export.
-    dcfg = dcfg.replace(block_size=int(cfg.block_size), dtype="float32")
-    check_pairing(dcfg, target_cfg, source=f"drafter ({d.preset or 'from config'})")
-    if cfg.export.enabled:  # a format that cannot carry this drafter stops the run now, not after training
-        for fmt, _ in EXPORT_LAYOUT[cfg.export.format]:
-            export_config(dcfg, fmt, export_verifier(cfg, target_cfg))
-    return dcfg
-
-
-# export.format: (format, directory under run_dir) of each export; the first is the one the summary and eval read.
-EXPORT_LAYOUT = {
-    "zlab": (("zlab", "export"),),
-    "speculators": (("speculators", "export"),),
-    "both": (("zlab", "export"), ("speculators", "export-speculators")),
-}
-
-
-def export_verifier(cfg, target_cfg) -> dict:
-    """speculators_config.verifier of a speculators export: export.verifier, else target.path as written (null for
-    a random preset target), and the HF class of the target's family."""
-    name = cfg.export.verifier if cfg.export.verifier is not None else cfg.target.path
-    arch = VERIFIER_ARCHITECTURES.get(target_cfg.family)
-    return {"name_or_path": None if name is None else str(name), "architectures": [arch] if arch else []}
-
-
-def init_weights(drafter, dcfg, init_dir, target_cfg, layers=None) -> None:
-    """Overwrite `drafter`'s parameters (in place) with a z-lab drafter directory's, cast to fp32.
-
-    The directory's architecture must equal `dcfg` but for block_size (the weights do not depend on K) and dtype;
-    a difference is an error naming drafter.init and the fields.
-
-    `layers` (drafter.init_layers) grows a loaded drafter: one entry per layer of `dcfg`, the directory's layer it
-    starts from, or None for a new layer that starts as the identity (its o_proj and down_proj zeroed, the rest as
-    `drafter` holds them), so the grown drafter starts out drafting exactly what the loaded one drafts.
-    """
-    icfg, loaded = load_drafter(init_dir, target_cfg, dtype="float32")
-    icfg = icfg.replace(block_size=dcfg.block_size)
-    if layers is not None:
-        icfg = _grown_config(icfg, dcfg, list(layers), init_dir)
-    if icfg != dcfg:
-        diff = {
-            f.name: (getattr(icfg, f.name), getattr(dcfg, f.name))
-            for f in dataclasses.fields(dcfg)
-            if getattr(icfg, f.name) != getattr(dcfg, f.name)
-        }
-        raise ValueError(
-            f"drafter.init={init_dir}: its architecture differs from the config's (field: (checkpoint, config)): {diff}"
-        )
-    if layers is None:
-        nnx.update(drafter, nnx.state(loaded, nnx.Param))
-        return
-    for name in ("fc", "hidden_norm", "norm"):
-        getattr(drafter, name).set_value(getattr(loaded, name).get_value())
-    for i, src in enumerate(layers):
-        if src is None:
-            attn, mlp = drafter.layers[i].self_attn, drafter.layers[i].mlp
-            attn.o_proj.set_value(jnp.zeros_like(attn.o_proj.get_value()))
-            mlp.down_proj.set_value(jnp.zeros_like(mlp.down_proj.get_value()))
-        else:
-            nnx.update(drafter.layers[i], nnx.state(loaded.layers[src], nnx.Param))
-
-
-def _grown_config(icfg, dcfg, layers: list, init_dir):
-    """The loaded drafter's config as drafter.init_layers grows it (to compare with the run's): a clear error for a
-    mapping that does not fit the two drafters."""
-    n_in = icfg.num_hidden_layers
-    if len(layers) != dcfg.num_hidden_layers:
-        raise ValueError(
-            f"drafter.init_layers={layers}: {len(layers)} entries for drafter.num_layers={dcfg.num_hidden_layers}"
-        )
-    for i, src in enumerate(layers):
-        if src is None:
-            continue
-        if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < n_in:
-            raise ValueError(
-                f"drafter.init_layers={layers}: entry {i} is {src!r}, not null or a layer of drafter.init={init_dir} "
-                f"(0..{n_in - 1})"
-            )
-        if icfg.layer_type(src) != dcfg.layer_type(i):
-            raise ValueError(
-                f"drafter.init_layers={layers}: layer {i} is {dcfg.layer_type(i)} but drafter.init={init_dir}'s "
-                f"layer {src} is {icfg.layer_type(src)}"
-            )
-    # The layer types now match the run's where mapped, and new layers take the run's. A sliding window is the
-    # loaded drafter's own when it has sliding layers (a copied sliding layer keeps its mask: a run that sets
-    # another window differs below); else the run's, which only new layers use.
-    return icfg.replace(
-        num_hidden_layers=dcfg.num_hidden_layers,
-        layer_types=dcfg.layer_types,
-        sliding_window=icfg.sliding_window if icfg.layer_types is not None else dcfg.sliding_window,
-    )
-
-
-def check_token_ids(records, vocab_size: int, cfg) -> None:
-    """Refuse data whose token ids the target cannot embed (a tokenizer larger than the target's vocabulary):
-    an out-of-range id embeds as NaN, and the run would die at step 1 with a loss of nan, naming nothing."""
-    arrays = getattr(records, "arrays", None)
-    if arrays is None or not len(arrays[0]):
-        return  # synthetic records draw their ids below vocab_size
-    top = int(np.max(arrays[0]))
-    if top >= vocab_size or int(np.min(arrays[0])) < 0:
-        raise ValueError(
-            f"data.source={cfg.data.source}: token id {top} from tokenizer "
-            f"{cfg.data.tokenizer or cfg.target.path} is outside the target's vocabulary "
-            f"0..{vocab_size - 1}; the tokenizer does not belong to this target"
-        )
-
-
-def draft_vocabulary(records, vocab_size: int, size: int) -> np.ndarray:
-    """The `size` most frequent loss-mask tokens of the training records, most frequent first (ties by id):
-    the draft vocabulary of a reduced-vocabulary training loss (FR-Spec). Unseen tokens fill the tail in id order
-    when the data has fewer distinct ones."""
-    if not 1 <= size <= vocab_size:
-        raise ValueError(f"draft_vocab={size}: must be in 1..{vocab_size} (the target's vocabulary), or null")
-    counts = np.zeros(vocab_size, np.int64)
-    for i in range(len(records)):
-        r = records[i]
-        ids = np.asarray(r["input_ids"])
-        ids = ids[np.asarray(r["loss_mask"], bool)[: ids.size]]
-        counts += np.bincount(ids[(ids >= 0) & (ids < vocab_size)], minlength=vocab_size)
-    return np.argsort(-counts, kind="stable")[:size].astype(np.int32)
-
-
-def init_draft_vocab(cfg, vocab_size: int) -> np.ndarray:
-    """drafter.init_vocab: the draft vocabulary saved beside the drafter.init directory, of draft_vocab's size."""
-    init = cfg.drafter.init  # a drafter directory, and draft_vocab set: train.config checks both
-    ids = load_draft_vocab(init, vocab_size)
-    if ids is None:
-        raise ValueError(f"drafter.init_vocab=true: {Path(init) / DRAFT_VOCAB_FILE} does not exist")
-    if len(ids) != int(cfg.draft_vocab):
-        raise ValueError(
-            f"drafter.init_vocab=true: {Path(init) / DRAFT_VOCAB_FILE} holds {len(ids)} tokens, draft_vocab="
-            f"{cfg.draft_vocab}"
-        )
-    return np.asarray(ids, np.int32)
-
-
-def check_eval_lengths(cfg, positions: int) -> None:
-    """The end-of-run eval's longest prompt, its new tokens and its widest verify must fit the target's positions:
-    found when the target is known, not after training."""
-    e = cfg.eval
-    if not bool(e.enabled):
-        return
-    width = max(int(e.block if e.block is not None else cfg.block_size), int(e.ngram_block))
-    need = int(e.max_prompt_tokens) + int(e.max_new_tokens) + width
-    if need > positions:
-        raise ValueError(
-            f"eval.max_prompt_tokens={e.max_prompt_tokens} + eval.max_new_tokens={e.max_new_tokens} + a verify of "
-            f"{width} = {need} positions, more than the target's max_position_embeddings={positions}"
-        )
-
-
-def resolve_mesh(cfg, devices=None):
-    devices = list(jax.devices() if devices is None else devices)
-    m = {k: int(cfg.mesh[k]) for k in ("data", "fsdp", "tensor")}
-    free = [k for k, v in m.items() if v == -1]
-    if len(free) > 1:
-        raise ValueError(f"mesh {m}: at most one axis may be -1")
-    fixed = math.prod(v for v in m.values() if v != -1)
-    if free:
-        m[free[0]] = len(devices) // fixed
-    n = math.prod(m.values())
-    if n > len(devices):
-        raise ValueError(f"mesh {m} needs {n} devices; {len(devices)} available")
-    return shd.make_mesh(m["data"], m["fsdp"], m["tensor"], devices=devices[:n])
 
 
 def _pause(seconds: float) -> None:
@@ -336,37 +98,17 @@ def objective_options(cfg) -> tuple[int | None, float]:
     return loss_positions, distill_weight
 
 
-def start_drafter(cfg, drafter_cfg, target, records):
-    """The drafter a run starts from: fresh (seed), or by drafter.init: the target's layers ("target"), a fitted
-    copy circuit ("copy"), or a drafter directory (grown by drafter.init_layers); drafter.init_logit_std scales a
-    fresh one's output norm."""
-    drafter = build_drafter(drafter_cfg, seed=int(cfg.seed))
-    init = cfg.drafter.init
-    if init is None:
-        if cfg.drafter.init_logit_std is not None:
-            drafter = scale_output_norm(drafter, target, float(cfg.drafter.init_logit_std))
-        return drafter
-    if cfg.drafter.init_logit_std is not None:
-        raise ValueError(
-            f"drafter.init={init} and drafter.init_logit_std both set: an initialised drafter keeps its own output norm"
-        )
-    if init == "target":
-        return copy_target_layers(drafter, target)
-    if init == "copy":
-        fit_rows = [records[i]["input_ids"] for i in range(min(FIT_ROWS, len(records)))]
-        return fit_copy_circuit(drafter, target, fit_rows, gamma=gamma_of(cfg), loss_positions=cfg.loss_positions)
-    init_weights(drafter, drafter_cfg, init, config_of(target), cfg.drafter.init_layers)
-    return drafter
-
-
 class Trainer:
     """Build everything from a Config, restore the newest readable checkpoint, then `train()`.
 
-    target: a target module to train against instead of the one cfg.target names; records: TokenizedRecords to
-    train on instead of cfg.data's source (the batches, anchors and resumable iterator are the conversation path's).
+    run: the world to train in (train.assembly.build_run); without it the Trainer builds it from cfg, with target (a
+    target module to train against instead of the one cfg.target names) and records (TokenizedRecords to train on
+    instead of cfg.data's source: the batches, anchors and resumable iterator are the conversation path's).
     """
 
-    def __init__(self, cfg, *, devices=None, target=None, records=None, restore: bool = True, lock=None):
+    def __init__(
+        self, cfg, *, run: Run | None = None, devices=None, target=None, records=None, restore=True, lock=None
+    ):
         self.cfg = cfg
         # A URI run_dir (gs://bucket/run): checkpoints go there through Orbax, the other files through a local
         # staging directory that `push` mirrors to it (dflash_model.files).
@@ -378,7 +120,12 @@ class Trainer:
         self._own_lock = lock is None
         self.lock = lock if lock is not None or jax.process_index() != 0 else open_run_dir(cfg.run_dir)
         try:
-            self._setup(devices, target, records, restore)
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            if jax.process_index() == 0:
+                pull(self.run_uri)  # a fresh host resuming a URI run: its metrics.jsonl and config.yml come back first
+            if run is None:
+                run = build_run(cfg, self.run_dir, devices=devices, target=target, records=records)
+            self._receive(run, restore)
         except BaseException:
             self.release_lock()
             raise
@@ -393,63 +140,17 @@ class Trainer:
         if self._own_lock and self.lock is not None and not self.lock.held:
             self.lock = open_run_dir(self.cfg.run_dir)
 
-    def _setup(self, devices, target, records, restore: bool) -> None:
+    def _receive(self, run: Run, restore: bool) -> None:
+        """Take the run's world (build_run's, or the caller's), then set up the optimizer state and checkpoints."""
         cfg = self.cfg
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        if jax.process_index() == 0:
-            pull(self.run_uri)  # a fresh host resuming a URI run: its metrics.jsonl and config.yml come back first
-        self.mesh = resolve_mesh(cfg, devices)
-        n_batch = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
-        if int(cfg.train.batch_size) % n_batch:
-            raise ValueError(f"train.batch_size={cfg.train.batch_size} is not divisible by data x fsdp = {n_batch}")
-
-        self.target, self.tokenizer_path = (target, None) if target is not None else load_target_model(cfg, self.mesh)
-        self.target_cfg = config_of(self.target)
-        self.drafter_cfg = drafter_config(cfg, self.target_cfg)
-        positions = self.target_cfg.max_position_embeddings
-        for key, value in (("block_size", int(cfg.block_size)), ("train.max_len", int(cfg.train.max_len))):
-            if value > positions:
-                raise ValueError(f"{key}={value} exceeds the target's max_position_embeddings={positions}")
-        check_eval_lengths(cfg, positions)
+        for field in dataclasses.fields(run):  # cfg and run_dir are the Trainer's already; the drafter is split
+            if field.name not in ("cfg", "run_dir", "drafter"):
+                setattr(self, field.name, getattr(run, field.name))
         self.block_size = int(cfg.block_size)
         self.gamma = gamma_of(cfg)
         self.loss_positions, self.distill_weight = objective_options(cfg)
-
-        if not is_maxtext(self.target):  # MaxText placed its parameters on the mesh as it loaded them
-            shd.shard_model(self.target, self.mesh)
-
-        tokenizer = None
-        if records is None and cfg.data.source in ("regenerate", "mix"):
-            raise ValueError(
-                f"data.source={cfg.data.source} is resolved by train/run.py (train.workflow.prepare_regenerated "
-                "or prepare_mix writes the JSONL); give the Trainer that JSONL's path as data.source"
-            )
-        if records is None and cfg.data.source != "synthetic":
-            tokenizer = load_tokenizer(cfg.data.tokenizer or self.tokenizer_path)
-        self.dataset, self.batches_per_epoch, records = build_train_dataset(
-            cfg,
-            vocab_size=self.target_cfg.vocab_size,
-            mask_token_id=self.drafter_cfg.mask_token_id,
-            tokenizer=tokenizer,
-            records=records,
-        )
-        check_token_ids(records, self.target_cfg.vocab_size, cfg)
-        drafter = shd.shard_model(start_drafter(cfg, self.drafter_cfg, self.target, records), self.mesh)
-        self.d_graph, params = nnx.split(drafter)
-        self.t_graph, self.t_state = nnx.split(self.target)
+        self.d_graph, params = nnx.split(run.drafter)
         self.target_labels = cfg.data.labels == "target"
-        self.features = self.labels = None
-        if cfg.features.mode == "offline":
-            self.features, self.labels = open_or_build(
-                self, records, chunk=int(cfg.train.batch_size) // jax.process_count()
-            )
-        self.vocab_ids = None
-        if cfg.draft_vocab is not None:
-            if cfg.drafter.init_vocab:
-                ids = init_draft_vocab(cfg, self.target_cfg.vocab_size)
-            else:
-                ids = draft_vocabulary(records, self.target_cfg.vocab_size, int(cfg.draft_vocab))
-            self.vocab_ids = jax.device_put(jnp.asarray(ids), NamedSharding(self.mesh, PartitionSpec()))
         epoch_steps = self.batches_per_epoch * int(cfg.train.epochs)
         self.total_steps = int(cfg.train.steps) if cfg.train.steps is not None else epoch_steps
         if self.total_steps > epoch_steps:

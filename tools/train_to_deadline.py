@@ -1,11 +1,11 @@
-"""Train a config to a wall-clock deadline, then export: `python tools/gpu_burst/train_budget.py --deadline UNIX_TIME
+"""Train a config to a wall-clock deadline, then export: `python tools/train_to_deadline.py --deadline UNIX_TIME
 --config NAME [key=value ...]`.
 
-A GPU machine is reached for minutes, and a step's time on it is unknown until it runs. So: train `--probe` steps
-(the first compiles), take the median step time, and set the cosine schedule's length to the steps that fit before
-the deadline less one more compile (the schedule is a compile-time constant of the step: the new length compiles
-once). A timer sends SIGTERM shortly before the deadline in case the fit was optimistic: the trainer then stops at the
-next step, and the drafter is exported where it stands.
+An accelerator machine is reached for minutes, and a step's time on it is unknown until it runs. So: train
+`--probe` steps (the first compiles), take the median step time, and set the cosine schedule's length to the steps
+that fit before the deadline less one more compile (the schedule is a compile-time constant of the step: the new
+length compiles once). A timer sends SIGTERM shortly before the deadline in case the fit was optimistic: the trainer
+then stops at the next step, and the drafter is exported where it stands.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from train.config import cli_overrides, load_config  # noqa: E402
 
@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = load_config(name, overrides)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     logging.getLogger("absl").setLevel(logging.WARNING)
-    log = logging.getLogger("gpu_burst")
+    log = logging.getLogger("train_to_deadline")
 
     from train.trainer import Trainer
 

@@ -1,7 +1,6 @@
 """Short training runs on the tiny random target of configs/tiny.yml: does training raise tau (`run_tiny_tau`),
-and can a drafter learn what only its context tells it (`run_task` on synthetic token tasks). The library
-behind benchmarks/tiny_tau.py and benchmarks/synthetic_tasks.py, and the tests that run their short versions
-(tests/test_tau_rises.py, tests/test_learns_context.py).
+and can a drafter learn what only its context tells it (`run_task` on synthetic token tasks). The runs behind
+tests/test_tau_rises.py and tests/test_learns_context.py.
 
 `run_tiny_tau`:
   1. Random token prompts (held-out ones from another seed), and the target's greedy continuations of them
@@ -29,7 +28,6 @@ import json
 import math
 import platform
 import re
-import shlex
 import shutil
 import statistics
 import time
@@ -134,7 +132,7 @@ def trainer_config(s: Settings, run_dir: Path, rows: int | None = None):
 
 
 def tiny_target(cfg, std: float):
-    """configs/tiny.yml's random target exactly as train.trainer.load_target_model builds it, at init scale std."""
+    """configs/tiny.yml's random target exactly as train.assembly.load_target_model builds it, at init scale std."""
 
     t = cfg.target
     tcfg = preset(t.preset).replace(**dict(t.arch), dtype=t.dtype)
@@ -368,18 +366,6 @@ def run_task(
         "wall_s": time.time() - t0,
         "windows": accuracy_windows(recs),
         "machine": platform.processor() or platform.machine(),
-        "command": shlex.join(
-            [
-                "benchmarks/synthetic_tasks.py",
-                task,
-                "--steps",
-                str(steps),
-                "--seed",
-                str(seed),
-                *(() if features else ("--no-features",)),
-                *overrides,
-            ]
-        ),
     }
 
 

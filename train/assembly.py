@@ -1,0 +1,245 @@
+"""A training run's world, built from its config: the mesh, the target, the data, the drafter's start, the draft
+vocabulary and the offline features (`build_run`). The Trainer receives it and only loops."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from data import assets
+from dflash_model import sharding as shd
+from dflash_model.config import preset
+from dflash_model.drafter import check_pairing, drafter_config_for, drafter_preset
+from dflash_model.drafter_weights import export_config
+from dflash_model.speculators_format import VERIFIER_ARCHITECTURES
+from dflash_model.target import build_target, config_of, is_maxtext, randomize
+from dflash_model.tokenizer import load_tokenizer
+from dflash_model.weights import load_target
+from train.batches import build_train_dataset
+from train.features import open_or_build
+from train.starts import init_draft_vocab, start_drafter
+
+
+@dataclasses.dataclass
+class Run:
+    """What a run trains with. `features` and `labels` are the offline features' memmaps (features.mode=offline),
+    `vocab_ids` the draft vocabulary on the mesh (draft_vocab set); each None otherwise."""
+
+    cfg: Any
+    run_dir: Path
+    mesh: Mesh
+    target: nnx.Module
+    tokenizer_path: Path | None
+    target_cfg: Any
+    drafter_cfg: Any
+    drafter: nnx.Module
+    dataset: Any
+    batches_per_epoch: int
+    t_graph: Any
+    t_state: Any
+    features: Any = None
+    labels: Any = None
+    vocab_ids: jax.Array | None = None
+
+
+def build_run(cfg, run_dir: Path, *, devices=None, target=None, records=None) -> Run:
+    """The run's world from cfg. target: a target module to train against instead of the one cfg.target names;
+    records: TokenizedRecords to train on instead of cfg.data's source. The offline features are built (or opened)
+    under run_dir unless features.cache_dir names a place."""
+    mesh = resolve_mesh(cfg, devices)
+    n_batch = mesh.shape["data"] * mesh.shape["fsdp"]
+    if int(cfg.train.batch_size) % n_batch:
+        raise ValueError(f"train.batch_size={cfg.train.batch_size} is not divisible by data x fsdp = {n_batch}")
+
+    target, tokenizer_path = (target, None) if target is not None else load_target_model(cfg, mesh)
+    target_cfg = config_of(target)
+    drafter_cfg = drafter_config(cfg, target_cfg)
+    positions = target_cfg.max_position_embeddings
+    for key, value in (("block_size", int(cfg.block_size)), ("train.max_len", int(cfg.train.max_len))):
+        if value > positions:
+            raise ValueError(f"{key}={value} exceeds the target's max_position_embeddings={positions}")
+    check_eval_lengths(cfg, positions)
+    if not is_maxtext(target):  # MaxText placed its parameters on the mesh as it loaded them
+        shd.shard_model(target, mesh)
+
+    tokenizer = None
+    if records is None and cfg.data.source in ("regenerate", "mix"):
+        raise ValueError(
+            f"data.source={cfg.data.source} is resolved by train/run.py (train.workflow.prepare_regenerated "
+            "or prepare_mix writes the JSONL); give the Trainer that JSONL's path as data.source"
+        )
+    if records is None and cfg.data.source != "synthetic":
+        tokenizer = load_tokenizer(cfg.data.tokenizer or tokenizer_path)
+    dataset, batches_per_epoch, records = build_train_dataset(
+        cfg, vocab_size=target_cfg.vocab_size, mask_token_id=drafter_cfg.mask_token_id, tokenizer=tokenizer,
+        records=records,
+    )  # fmt: skip
+    check_token_ids(records, target_cfg.vocab_size, cfg)
+    drafter = shd.shard_model(start_drafter(cfg, drafter_cfg, target, records), mesh)
+    t_graph, t_state = nnx.split(target)
+    run = Run(
+        cfg, run_dir, mesh, target, tokenizer_path, target_cfg, drafter_cfg, drafter, dataset, batches_per_epoch,
+        t_graph, t_state,
+    )  # fmt: skip
+    if cfg.features.mode == "offline":
+        run.features, run.labels = open_or_build(run, records, chunk=int(cfg.train.batch_size) // jax.process_count())
+    if cfg.draft_vocab is not None:
+        if cfg.drafter.init_vocab:
+            ids = init_draft_vocab(cfg, target_cfg.vocab_size)
+        else:
+            ids = draft_vocabulary(records, target_cfg.vocab_size, int(cfg.draft_vocab))
+        run.vocab_ids = jax.device_put(jnp.asarray(ids), NamedSharding(mesh, PartitionSpec()))
+    return run
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Building blocks (each callable alone from tests).
+
+# export.format: (format, directory under run_dir) of each export; the first is the one the summary and eval read.
+EXPORT_LAYOUT = {
+    "zlab": (("zlab", "export"),),
+    "speculators": (("speculators", "export"),),
+    "both": (("zlab", "export"), ("speculators", "export-speculators")),
+}
+
+
+def export_verifier(cfg, target_cfg) -> dict:
+    """speculators_config.verifier of a speculators export: export.verifier, else target.path as written (null for
+    a random preset target), and the HF class of the target's family."""
+    name = cfg.export.verifier if cfg.export.verifier is not None else cfg.target.path
+    arch = VERIFIER_ARCHITECTURES.get(target_cfg.family)
+    return {"name_or_path": None if name is None else str(name), "architectures": [arch] if arch else []}
+
+
+def target_path(path):
+    """cfg.target.path as a local file or directory: an `asset:NAME` resolved to the cached asset (fetched the first
+    time), anything else as given."""
+    if isinstance(path, str) and path.startswith("asset:"):
+        return assets.path(path.split(":", 1)[1])
+    return path
+
+
+def load_target_model(cfg, mesh=None):
+    """(target module, tokenizer path or None) for cfg.target: real weights from a path, or a random preset."""
+    t = cfg.target
+    if t.maxtext is not None:
+        if t.path is None:
+            raise ValueError(
+                "target.maxtext needs target.path: the HF directory whose config.json and tokenizer it has"
+            )
+        from dflash_model.maxtext_target import load_maxtext_target  # the optional maxtext extra
+
+        model = load_maxtext_target(t.path, t.maxtext, dtype=t.dtype, mesh=mesh, max_length=int(cfg.train.max_len))
+        return model, Path(t.path)
+    if t.path is not None:
+        path = target_path(t.path)
+        _, model = load_target(path, dtype=t.dtype, mesh=mesh)  # sharded as it loads: no single-device copy
+        return model, Path(path)
+    tcfg = preset(t.preset).replace(**dict(t.arch), dtype=t.dtype)
+    # Random targets are for shapes, throughput and tests. Built abstract (Tunix's initialisers would compile a
+    # few dozen jitted functions only to be overwritten), then filled by randomize(), which also avoids the
+    # all-zero MLPs Tunix starts from.
+    model = nnx.eval_shape(lambda: build_target(tcfg, seed=int(cfg.seed)))
+    return randomize(model, seed=int(cfg.seed)), None
+
+
+def drafter_config(cfg, target_cfg):
+    """The drafter architecture for cfg (preset or shaped like the target), at cfg.block_size, fp32 master weights."""
+    d = cfg.drafter
+    if d.preset is not None:
+        dcfg = drafter_preset(d.preset)
+    else:
+        if d.mask_token_id is None:
+            raise ValueError("drafter.mask_token_id is required when drafter.preset is null")
+        ids = tuple(d.target_layer_ids) if d.target_layer_ids is not None else None
+        dcfg = drafter_config_for(
+            target_cfg,
+            mask_token_id=int(d.mask_token_id),
+            num_layers=int(d.num_layers),
+            n_features=int(d.n_features),
+            intermediate_size=d.intermediate_size,
+            target_layer_ids=ids,
+        )
+    if d.layer_types is not None:
+        # DrafterConfig checks the names and that there is one per layer, naming the key.
+        window = int(d.sliding_window) if d.sliding_window is not None else None
+        dcfg = dcfg.replace(layer_types=tuple(d.layer_types), sliding_window=window)
+    elif d.sliding_window is not None:
+        raise ValueError(
+            f"drafter.sliding_window={d.sliding_window} needs drafter.layer_types with a sliding_attention layer"
+        )
+    # AdamW on bf16 weights loses small updates; the drafter trains in fp32 and is cast at export.
+    dcfg = dcfg.replace(block_size=int(cfg.block_size), dtype="float32")
+    check_pairing(dcfg, target_cfg, source=f"drafter ({d.preset or 'from config'})")
+    if cfg.export.enabled:  # a format that cannot carry this drafter stops the run now, not after training
+        for fmt, _ in EXPORT_LAYOUT[cfg.export.format]:
+            export_config(dcfg, fmt, export_verifier(cfg, target_cfg))
+    return dcfg
+
+
+def check_token_ids(records, vocab_size: int, cfg) -> None:
+    """Refuse data whose token ids the target cannot embed (a tokenizer larger than the target's vocabulary):
+    an out-of-range id embeds as NaN, and the run would die at step 1 with a loss of nan, naming nothing."""
+    arrays = getattr(records, "arrays", None)
+    if arrays is None or not len(arrays[0]):
+        return  # synthetic records draw their ids below vocab_size
+    top = int(np.max(arrays[0]))
+    if top >= vocab_size or int(np.min(arrays[0])) < 0:
+        raise ValueError(
+            f"data.source={cfg.data.source}: token id {top} from tokenizer "
+            f"{cfg.data.tokenizer or cfg.target.path} is outside the target's vocabulary "
+            f"0..{vocab_size - 1}; the tokenizer does not belong to this target"
+        )
+
+
+def draft_vocabulary(records, vocab_size: int, size: int) -> np.ndarray:
+    """The `size` most frequent loss-mask tokens of the training records, most frequent first (ties by id):
+    the draft vocabulary of a reduced-vocabulary training loss (FR-Spec). Unseen tokens fill the tail in id order
+    when the data has fewer distinct ones."""
+    if not 1 <= size <= vocab_size:
+        raise ValueError(f"draft_vocab={size}: must be in 1..{vocab_size} (the target's vocabulary), or null")
+    counts = np.zeros(vocab_size, np.int64)
+    for i in range(len(records)):
+        r = records[i]
+        ids = np.asarray(r["input_ids"])
+        ids = ids[np.asarray(r["loss_mask"], bool)[: ids.size]]
+        counts += np.bincount(ids[(ids >= 0) & (ids < vocab_size)], minlength=vocab_size)
+    return np.argsort(-counts, kind="stable")[:size].astype(np.int32)
+
+
+def check_eval_lengths(cfg, positions: int) -> None:
+    """The end-of-run eval's longest prompt, its new tokens and its widest verify must fit the target's positions:
+    found when the target is known, not after training."""
+    e = cfg.eval
+    if not bool(e.enabled):
+        return
+    width = max(int(e.block if e.block is not None else cfg.block_size), int(e.ngram_block))
+    need = int(e.max_prompt_tokens) + int(e.max_new_tokens) + width
+    if need > positions:
+        raise ValueError(
+            f"eval.max_prompt_tokens={e.max_prompt_tokens} + eval.max_new_tokens={e.max_new_tokens} + a verify of "
+            f"{width} = {need} positions, more than the target's max_position_embeddings={positions}"
+        )
+
+
+def resolve_mesh(cfg, devices=None):
+    devices = list(jax.devices() if devices is None else devices)
+    m = {k: int(cfg.mesh[k]) for k in ("data", "fsdp", "tensor")}
+    free = [k for k, v in m.items() if v == -1]
+    if len(free) > 1:
+        raise ValueError(f"mesh {m}: at most one axis may be -1")
+    fixed = math.prod(v for v in m.values() if v != -1)
+    if free:
+        m[free[0]] = len(devices) // fixed
+    n = math.prod(m.values())
+    if n > len(devices):
+        raise ValueError(f"mesh {m} needs {n} devices; {len(devices)} available")
+    return shd.make_mesh(m["data"], m["fsdp"], m["tensor"], devices=devices[:n])
