@@ -140,13 +140,17 @@ def teacher_forced(
     )
     lengths, finals, drafted = [], [], []
     for seq, row in zip(seqs, anchors):
+        if not row:  # a reply of one token: no block to score
+            for out in (lengths, finals, drafted):
+                out.append([])
+            continue
         ids = np.zeros((1, t), np.int32)
         ids[0, : len(seq)] = seq
         padded = np.full((1, n), -1, np.int32)
         padded[0, : len(row)] = row
         drafts = np.asarray(_drafts(drafter, target, jnp.asarray(ids), jnp.asarray(padded), **static))[: len(row)]
         labels, known = _row_blocks(seq, row, k)
-        a, final = leading_correct(drafts, labels, known) if row else (np.zeros(0, np.int64), np.zeros(0, bool))
+        a, final = leading_correct(drafts, labels, known)
         lengths.append((a + 1).tolist())
         finals.append(final.tolist())
         drafted.append(drafts.tolist())

@@ -169,3 +169,10 @@ def test_teacher_forcing_differs_off_the_greedy_text_and_between_anchor_sets(tin
     assert cmp["gap"]["S_1"] == pytest.approx(report["acceptance_unconditional"][0] - every["survival"][0])
     table = format_agreement(cmp)
     assert "teacher-forced" in table and "real decoding" in table and "gap" in table
+
+
+def test_a_one_token_reply_has_no_block(tiny):
+    target, cfg, prompts, replies = tiny
+    got = teacher_forced(target, build_drafter(cfg, seed=0), K, prompts[:2], [replies[0][:1], replies[1][:NEW]])
+    assert got["accept_lengths"][0] == [] and len(got["accept_lengths"][1]) == NEW - 1
+    assert got["blocks"] == NEW - 1
