@@ -113,6 +113,13 @@ def test_run_ends_with_an_eval_of_the_exported_drafter(tmp_path):
     assert (tmp_path / "run" / "export" / "draft_vocab.json").is_file()
     assert (tmp_path / "run" / "eval" / "acceptance.png").stat().st_size > 0
     assert summary["eval"]["dflash"]["tau"] == rep["reports"]["dflash"]["tau"]
+    # The training pass's estimate beside real decoding, on the same prompts and the target's plain replies.
+    agree, dflash = rep["train_serve"], rep["reports"]["dflash"]
+    assert agree["teacher_forced"]["blocks"] == 2 * 11  # every reply position with a next token
+    assert agree["real"]["rounds"] == sum(len(p["accept_lengths"]) for p in dflash["per_prompt"])
+    assert agree["gap"]["tau"] == pytest.approx(dflash["tau"] - agree["teacher_forced"]["tau"])
+    assert agree["teacher_forced_drafter"] == "trained, in memory"
+    assert "train/serve agreement" in (tmp_path / "run" / "eval" / "table.md").read_text()
     again = main(args)  # nothing left to train; the eval of step 6 is reused, not recomputed
     assert "eval" not in again and again["step"] == 6
 

@@ -26,6 +26,7 @@ from dflash_model import sharding as shd
 from dflash_model.files import atomic_write_bytes, atomic_write_text, cache_root, run_path
 from dflash_model.target import is_maxtext
 from dflash_model.tokenizer import load_tokenizer, stop_token_ids
+from infer.agreement import compare, format_agreement, teacher_forced
 from infer.eval import dataset_messages, encode, format_comparison, format_table, plot_comparison, run_comparison
 from infer.loading import dflash_draft, load_draft_spec
 from infer.metrics import strict_dumps
@@ -271,6 +272,28 @@ def _process0_target(trainer):
     return shd.shard_model(nnx.merge(trainer.t_graph, whole), local)
 
 
+def train_serve(target, trainer, dflash, prompts: list[list[int]], report: dict) -> dict:
+    """The acceptance the training pass estimates beside what real decoding got (`infer.agreement.compare`): on
+    the eval's prompts and the target's plain greedy replies to them (the report's plain_tokens), blocks at every
+    reply position, at the decoded K. The drafter is the trained one as the loss saw it (in memory), so a wrong
+    export shows as a gap too; under several processes its parameters span other processes' devices, and the
+    exported one stands in."""
+    one = jax.process_count() == 1
+    drafter = trainer.drafter() if one else dflash.params
+    replies = [r["plain_tokens"] for r in report["per_prompt"]]
+    proposer = dflash.proposer
+    estimate = teacher_forced(
+        target,
+        drafter,
+        dflash.block_size,
+        prompts,
+        replies,
+        zero_features=proposer.zero_features,
+        vocab=proposer.vocab,
+    )
+    return {**compare(estimate, report), "teacher_forced_drafter": "trained, in memory" if one else "exported"}
+
+
 def final_eval(cfg, trainer, tokenizer, rows: list[dict], export_dir: Path | None, target=None) -> dict:
     """Decode `rows` plainly, with the trained drafter and with n-gram; write <run_dir>/eval/ and print a table.
     `target` defaults to the trainer's."""
@@ -349,7 +372,8 @@ def final_eval(cfg, trainer, tokenizer, rows: list[dict], export_dir: Path | Non
         f"{'beats' if d > n else 'does not beat'} n-gram after {trainer.step} steps"
     )
     summary["verdict"] = verdict
-    table = format_comparison(reports) + "\n\n" + verdict
+    summary["train_serve"] = train_serve(target, trainer, dflash, prompts, reports["dflash"])
+    table = format_comparison(reports) + "\n\n" + verdict + "\n\n" + format_agreement(summary["train_serve"])
     atomic_write_text(out / "table.md", table + "\n\n" + format_table(reports["dflash"]) + "\n")
     atomic_write_text(out / "eval.json", strict_dumps(summary, indent=1))
     print(table, flush=True)
