@@ -136,14 +136,14 @@ def trained(tiny):
     return _trained(target, cfg, prompts, replies)
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_rounds_reproduce_real_decoding_with_a_trained_drafter(tiny, trained):
     target, cfg, prompts, replies = tiny
     real = _check_rounds(target, cfg, trained, prompts, replies)
     assert len({a for row in real for a in row}) >= 3, real  # rounds of several lengths, some accepting drafts
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_teacher_forcing_differs_off_the_greedy_text_and_between_anchor_sets(tiny, trained):
     target, cfg, prompts, replies = tiny
     replies = [r[:NEW] for r in replies]
