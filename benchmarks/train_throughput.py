@@ -227,13 +227,15 @@ def measure(cfg_name: str, overrides: list[str], steps: int, target=None) -> dic
         build_s = time.perf_counter() - t0
         trainer.train()
         # steps that compiled (the first, and the first of each new anchor-column count) are not timed
-        recs = [json.loads(ln) for ln in Path(tmp, "metrics.jsonl").read_text().splitlines()]
+        all_recs = recs = [json.loads(ln) for ln in Path(tmp, "metrics.jsonl").read_text().splitlines()]
         recs = [r for r in recs if "step" in r and not r.get("compiled", r["step"] == 1)]
         ph = phases(trainer)
     if not recs:
         raise SystemExit(f"every one of the {steps} steps compiled (new anchor-column counts): give --steps more")
     step_s = statistics.median(r["step_s"] for r in recs)
-    blocks = statistics.median(r["anchors_per_s"] * r["step_s"] for r in recs)
+    # blocks/s over the timed steps as a whole: with anchor columns trimmed a step's time follows its blocks
+    blocks_total = sum(r["anchors_per_s"] * r["step_s"] for r in recs)
+    blocks = blocks_total / len(recs)
     labels = statistics.median(r["valid_labels"] for r in recs)
     return {
         "overrides": overrides,
@@ -242,9 +244,14 @@ def measure(cfg_name: str, overrides: list[str], steps: int, target=None) -> dic
         "device": str(jax.devices()[0]),
         "step_s": step_s,
         "blocks_per_step": blocks,
-        "blocks_per_s": blocks / step_s,
+        "blocks_per_s": blocks_total / sum(r["step_s"] for r in recs),
         "trained_labels_per_s": labels / step_s,
         "loss_last": recs[-1]["loss"] if recs else None,
+        # every step: the same seed reads the same rows in the same order, so two trees compare step for step
+        "per_step": [
+            {k: r.get(k) for k in ("step", "step_s", "anchors_per_s", "anchor_columns", "compiled", "loss")}
+            for r in all_recs
+        ],
         "build_s": build_s,
         "precompute_s": build_s if cfg.features.mode == "offline" else None,
         **ph,
