@@ -3,6 +3,7 @@ of a config side by side in one process on the same machine.
 
   .venv/bin/python benchmarks/train_throughput.py --data PATH [--config smollm2-135m] [--blocks 64 16]
       [--variants baseline bf16 ...] [--steps 8] [--out docs/results/throughput/NAME.json] [key=value ...]
+  .venv/bin/python benchmarks/train_throughput.py --compare BEFORE.json AFTER.json   # two checkouts, step for step
 
 `--data` is a conversation JSONL (the default run's regenerated replies work: ~/.cache/dflash-jax/regenerated/...)
 or "sharegpt". Each variant is a set of config overrides (VARIANTS below; `baseline` is the config as it is) on
@@ -200,7 +201,9 @@ def fractions(r: dict) -> dict:
     for phase, key in (("target", "target_s"), ("drafter", "drafter_s"), ("ce", "ce_s")):
         out[phase] = g[phase] / r[key] / lim[phase] if lim[phase] and r[key] > 0 else None
     at_limit = sum(g[p] / lim[p] for p in g if lim[p])
-    out["step"] = at_limit / r["step_s"]
+    # the FLOPs are those of the phase batch's anchor columns: set against the timed steps of that shape
+    same = [x["step_s"] for x in r["per_step"] if x.get("anchor_columns") == r["anchors_run"] and not x["compiled"]]
+    out["step"] = at_limit / statistics.median(same) if same else None
     return out
 
 
@@ -310,7 +313,30 @@ def format_tables(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def compare_trees(before: str, after: str) -> str:
+    """Two runs of this script from two checkouts (same config, data, seed and steps: the same rows in the same
+    order), step for step over the steps neither compiled in: blocks/s of each and their ratio, per K."""
+    rows_b, rows_a = (json.loads(Path(p).read_text())["rows"] for p in (before, after))
+    lines = ["| K | variant | steps | blocks | before: s | after: s | before: blocks/s | after: blocks/s | x |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for rb, ra in zip(rows_b, rows_a, strict=True):
+        sb, sa = ({x["step"]: x for x in r["per_step"]} for r in (rb, ra))
+        common = [k for k in sa if k in sb and k != 1 and not sa[k].get("compiled") and not sb[k].get("compiled")]
+        blocks = sum(sa[k]["anchors_per_s"] * sa[k]["step_s"] for k in common)
+        tb, ta = sum(sb[k]["step_s"] for k in common), sum(sa[k]["step_s"] for k in common)
+        lines.append(
+            f"| {ra['block_size']} | {ra['variant']} | {len(common)} | {blocks:.0f} | {tb:.1f} | {ta:.1f} | "
+            f"{blocks / tb:.2f} | {blocks / ta:.2f} | {tb / ta:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv=None) -> dict:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv and argv[0] == "--compare":  # --compare BEFORE.json AFTER.json
+        print(compare_trees(argv[1], argv[2]))
+        return {}
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="smollm2-135m")
     ap.add_argument("--data", required=True, help="conversation JSONL or 'sharegpt'")
