@@ -57,6 +57,7 @@ def test_acceptance_statistics():
     assert math.isnan(ev.acceptance_stats([], k=3)["tau"])
 
 
+@pytest.mark.long
 def test_eval_cli_on_a_jsonl_of_prompt_ids(tmp_path, capsys):
     data = tmp_path / "prompts.jsonl"
     data.write_text("\n".join(json.dumps({"id": f"p{i}", "prompt_ids": PROMPT[i:] + PROMPT}) for i in range(3)))

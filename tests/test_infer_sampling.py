@@ -182,6 +182,7 @@ def test_adaptive_width_sampling_follows_the_target(target):
     assert min(pvalues) > 1e-3, pvalues
 
 
+@pytest.mark.long
 def test_tree_sampling_follows_the_target(target):
     """T > 0 with DDTree rounds (6 nodes over 3 candidates per depth): each node's token is the target's own
     sample given its path, and the walk commits exactly those, so the output is still the target's distribution;

@@ -101,6 +101,7 @@ def test_dry_run_command():
     assert "pod 4 devices: 4 devices" in out.stdout and "verdict: fits" in out.stdout
 
 
+@pytest.mark.long
 def test_a_gguf_asset_target_plans_with_its_own_architecture():
     """The SmolLM2 configs name their target as a GGUF asset and no preset: the dry run reads the architecture from
     the file's metadata (it failed with 'unknown target preset None' before), the same as the preset's."""

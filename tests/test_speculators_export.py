@@ -304,7 +304,7 @@ def test_a_drafter_on_the_targets_last_layer_is_refused_before_any_file(tmp_path
     export_drafter(_drafter(cfg), cfg, tmp_path / "z")  # the z-lab format carries it
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_export_format_both_writes_both_directories(tmp_path):
     """export.format=both at the end of a tiny run: z-lab at export/, speculators at export-speculators/, the same
     weights; export.format is checked with the other choices, export.verifier must be a string."""
