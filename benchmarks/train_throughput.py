@@ -130,7 +130,7 @@ def phases(trainer, repeats: int = 3) -> dict:
 
     from dflash_model.drafter import train_logits
     from dflash_model.target import forward
-    from train.objective import chunked_cross_entropy
+    from train.objective import chunked_cross_entropy, loss_slots
 
     t0 = time.perf_counter()
     batch = jax.block_until_ready(trainer.next_batch())
@@ -153,7 +153,7 @@ def phases(trainer, repeats: int = 3) -> dict:
         features = features[0] if labels_too else features
     target = nnx.merge(prog.t_graph, trainer.t_state)
     dt = jnp.dtype(prog.compute_dtype)
-    slots = prog.block_size if prog.loss_positions is None else min(prog.loss_positions + 1, prog.block_size)
+    slots = loss_slots(prog.block_size, prog.loss_positions)
 
     def hidden_of(params):
         h = train_logits(
@@ -230,8 +230,9 @@ def measure(cfg_name: str, overrides: list[str], steps: int, target=None) -> dic
         build_s = time.perf_counter() - t0
         trainer.train()
         # steps that compiled (the first, and the first of each new anchor-column count) are not timed
-        all_recs = recs = [json.loads(ln) for ln in Path(tmp, "metrics.jsonl").read_text().splitlines()]
-        recs = [r for r in recs if "step" in r and not r.get("compiled", r["step"] == 1)]
+        lines = Path(tmp, "metrics.jsonl").read_text().splitlines()
+        all_recs = [r for r in map(json.loads, lines) if "step" in r]
+        recs = [r for r in all_recs if not r.get("compiled", r["step"] == 1)]
         ph = phases(trainer)
     if not recs:
         raise SystemExit(f"every one of the {steps} steps compiled (new anchor-column counts): give --steps more")
@@ -263,8 +264,8 @@ def measure(cfg_name: str, overrides: list[str], steps: int, target=None) -> dic
 
 def _load_targets(cfg_name: str, shared: list[str]):
     """The target once per dtype (loading SmolLM2 from its GGUF takes ~20 s): variants share it."""
+    from train.assembly import load_target_model, resolve_mesh
     from train.config import load_config
-    from train.trainer import load_target_model, resolve_mesh
 
     cache = {}
 
@@ -332,20 +333,23 @@ def compare_trees(before: str, after: str) -> str:
 
 
 def main(argv=None) -> dict:
-    if argv is None:
-        argv = sys.argv[1:]
-    if argv and argv[0] == "--compare":  # --compare BEFORE.json AFTER.json
-        print(compare_trees(argv[1], argv[2]))
-        return {}
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="smollm2-135m")
-    ap.add_argument("--data", required=True, help="conversation JSONL or 'sharegpt'")
+    ap.add_argument("--data", help="conversation JSONL or 'sharegpt' (required unless --compare)")
+    ap.add_argument(
+        "--compare", nargs=2, metavar=("BEFORE", "AFTER"), help="two runs' JSON side by side, step for step; no run"
+    )
     ap.add_argument("--blocks", type=int, nargs="+", default=[64, 16])
     ap.add_argument("--variants", nargs="+", default=["baseline", "fast"], choices=sorted(VARIANTS))
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--out", default="runs/train_throughput.json")
     ap.add_argument("overrides", nargs="*", help="shared key=value overrides")
     args = ap.parse_args(argv)
+    if args.compare:
+        print(compare_trees(*args.compare))
+        return {}
+    if args.data is None:
+        ap.error("--data is required (or --compare BEFORE.json AFTER.json)")
     from dflash_model.cli import add_xla_flags
     from train.config import load_config
 

@@ -80,8 +80,7 @@ def dataset_names(value: str) -> list[str]:
     """--dataset as the sets it runs: 'zlab' is z-lab's five, a comma list each of its parts, else the one value."""
     if value == "zlab":
         return list(ZLAB)
-    names = [v for v in value.split(",") if v] if "," in value else [value]
-    return names or [value]
+    return [v for v in value.split(",") if v] or [value]
 
 
 def dataset_messages(name: str, limit: int | None = None, *, style: str = "raw", offline: bool = False) -> list[dict]:

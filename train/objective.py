@@ -37,6 +37,11 @@ def position_weights(block_size: int, gamma: float):
     return jnp.where(k >= 1, jnp.exp(-(k - 1) / gamma), 0.0)
 
 
+def loss_slots(block_size: int, loss_positions: int | None) -> int:
+    """The block slots the loss covers, as an end index: slots 1..loss_slots-1 (slot 0 is never a label)."""
+    return block_size if loss_positions is None else min(int(loss_positions) + 1, block_size)
+
+
 def block_labels(tokens_BT, loss_mask_BT, anchors_BN, block_size: int):
     """Same-position labels [B, N, K] = tokens[a + k] and their validity (anchor real, k >= 1, inside the
     sequence, and a loss-mask token); slot 0 is never a label. `tokens_BT` may be any per-position label row
@@ -219,7 +224,7 @@ def dflash_loss(
     labels, valid = block_labels(tokens_BT if labels_BT is None else labels_BT, loss_mask_BT, anchors_BN, block_size)
     if labels_BT is not None:
         valid = valid & on_greedy_path(tokens_BT, labels_BT, anchors_BN, block_size)
-    slots = block_size if loss_positions is None else min(int(loss_positions) + 1, block_size)
+    slots = loss_slots(block_size, loss_positions)
     # Slot 0 holds the given token and is never a label: the cross-entropy, a step's costliest part, covers
     # slots 1..slots-1 only (1/K of its rows saved, the same loss and gradients).
     hidden, labels, valid = hidden[:, :, 1:slots], labels[:, :, 1:slots], valid[:, :, 1:slots]

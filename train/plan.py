@@ -31,6 +31,7 @@ from dflash_model.sharding import batch_sharding, param_specs
 from dflash_model.target import build_target
 from dflash_model.weights import load_target_config
 from train.assembly import drafter_config, resolve_mesh, target_path
+from train.objective import loss_slots
 from train.step import Program, make_optimizer, optimizer_shardings, train_step
 
 GIB = 1 << 30
@@ -227,7 +228,7 @@ def plan(cfg, pod: Pod) -> dict:
             online=not offline,
             labels=prog.target_labels,
             vocab=int(cfg.draft_vocab) if cfg.draft_vocab is not None else tcfg.vocab_size,
-            labelled_slots=k - 1 if prog.loss_positions is None else min(int(prog.loss_positions), k - 1),
+            labelled_slots=loss_slots(k, prog.loss_positions) - 1,
         ),
         "xla_flops_per_device": float(cost.get("flops", float("nan"))),
         "compile_s": round(compile_s, 1),

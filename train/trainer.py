@@ -30,14 +30,11 @@ from dflash_model.drafter_weights import (
 )
 from dflash_model.files import local_dir, open_run_dir, pull, push, run_path
 from dflash_model.target import forward
-from train.assembly import EXPORT_LAYOUT, Run, build_run, export_verifier, load_target_model, resolve_mesh
+from train.assembly import EXPORT_LAYOUT, Run, build_run, export_verifier
 from train.batches import kept_anchors
 from train.checkpointing import Checkpoints, trim_metrics
 from train.objective import gamma_of
 from train.step import BATCH_KEYS, Program, make_optimizer, optimizer_shardings, step_loss, train_step
-
-# load_target_model and resolve_mesh live in train.assembly; scripts import them from here as well.
-__all__ = ["Trainer", "TrainingDiverged", "load_target_model", "resolve_mesh"]
 
 log = logging.getLogger("dflash.train")
 
@@ -343,10 +340,10 @@ class Trainer:
                 columns = int(batch["anchors"].shape[1])
                 compiled = columns not in shapes
                 shapes.add(columns)
-                if compiled:
-                    first_time = dt if first_time is None else first_time  # includes compilation: not timed
-                else:
+                if not compiled:
                     timed, t_tokens, t_anchors, t_time = timed + 1, t_tokens + tokens, t_anchors + anchors, t_time + dt
+                elif first_time is None:
+                    first_time = dt  # the first step, compilation included
                 rec = {
                     "step": step,
                     "loss": loss,
