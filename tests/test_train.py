@@ -5,6 +5,7 @@ One 30-step run (checkpoints at 10, 20, 30) is shared; every other test restarts
 directory, so the compiled step is reused (same Program) and the file costs one compilation in process.
 """
 
+import dataclasses
 import json
 import math
 import os
@@ -448,7 +449,8 @@ def test_offline_features_are_keyed_by_the_token_ids(run30, tmp_path):
     rng = np.random.default_rng(0)
     records = [{"input_ids": rng.integers(0, 500, 64)} for _ in range(8)]
     root = tmp_path / "feats"
-    tr.cfg["features"] = {**tr.cfg["features"], "cache_dir": str(root)}
+    cfg = tr.cfg
+    tr.cfg = dataclasses.replace(cfg, features=dataclasses.replace(cfg.features, cache_dir=str(root)))
     try:
         first, _ = open_or_build(tr, records)
         stamp = (root / "meta.json").stat().st_mtime_ns
@@ -458,7 +460,7 @@ def test_offline_features_are_keyed_by_the_token_ids(run30, tmp_path):
         edited, _ = open_or_build(tr, records)
         assert (root / "meta.json").stat().st_mtime_ns != stamp
     finally:
-        tr.cfg["features"] = {**tr.cfg["features"], "cache_dir": None}
+        tr.cfg = cfg
     assert not np.allclose(first[3], edited[3]) and np.allclose(first[2], edited[2])
 
 

@@ -4,7 +4,8 @@ picks a preset's per-K settings."""
 import pytest
 from conftest import REPO
 
-from train.config import ConfigKeyError, cli_overrides, load_config, parse_value
+from train.config import load_config
+from train.presets import ConfigKeyError, cli_overrides, parse_value
 
 
 @pytest.mark.parametrize(
@@ -78,7 +79,7 @@ def test_override_typing():
     assert parse_value("true") is True and parse_value("null") is None and parse_value("[0, 2]") == [0, 2]
     assert parse_value("runs/x") == "runs/x"
     cfg = load_config("tiny", ["train.lr=1e-3", "drafter.target_layer_ids=[1,3]", "gamma=null", "seed=7"])
-    assert cfg.train.lr == 1e-3 and cfg.drafter.target_layer_ids == [1, 3] and cfg.seed == 7
+    assert cfg.train.lr == 1e-3 and cfg.drafter.target_layer_ids == (1, 3) and cfg.seed == 7
     assert cfg.train.batch_size == 8  # siblings of an overridden key keep their preset values
 
 
@@ -113,6 +114,7 @@ def test_free_form_arch_dict_accepts_target_fields():
         ("log.tensorboard=maybe", r"log.tensorboard='maybe': expected bool"),
         ("train.warmup_ratio=1.5", r"train.warmup_ratio=1.5: must be <= 1.0"),
         ("distill_weight=-0.1", r"distill_weight=-0.1: must be >= 0"),
+        ("data.source=null", r"data.source=null: give the data"),
     ],
 )
 def test_bad_values_are_refused_naming_the_key(override, message):
@@ -171,3 +173,27 @@ def test_8b_recipes_ship_a_k128_preset(name):
     assert load_config(*cli_overrides(["--config", name, "--block", "128"])).num_anchors == 64
     assert load_config(*cli_overrides(["--config", name, "--block", "16"])).num_anchors == 512
     assert load_config(*cli_overrides(["--config", name, "--block", "128", "num_anchors=32"])).num_anchors == 32
+
+
+def test_config_is_typed_frozen_and_round_trips():
+    """The run config is a frozen dataclass tree: no setting changes after validate(); its YAML view (a run
+    directory's config.yml) builds the same config again, `async` spelled as in base.yml."""
+    import dataclasses
+
+    import yaml
+
+    from train.config import RunConfig
+
+    cfg = load_config("smollm2-135m")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.train.lr = 1.0
+    assert isinstance(cfg.eval.also_blocks, tuple) and cfg.checkpoint.asynchronous is True
+    plain = yaml.safe_load(cfg.dump())
+    assert plain["checkpoint"]["async"] is True and plain["eval"]["also_blocks"] == [16]
+    assert RunConfig.from_dict(plain) == cfg
+    # validate() holds the checks across keys: a config changed in code is refused as one read from YAML is.
+    wide = dataclasses.replace(cfg, block_size=1024)
+    with pytest.raises(ValueError, match=r"block_size=1024 exceeds train.max_len=384"):
+        wide.validate()
+    with pytest.raises(ValueError, match=r"train.lr=0.0: must be > 0.0"):
+        dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, lr=0.0)).validate()

@@ -44,7 +44,7 @@ def test_bf16_config_flags_run_and_keep_gradients(tmp_path):
     """In a fresh process under the flags of the shipped drafter's recipe/code-bf16.yml (an unknown flag would
     abort it), the MLP's weight gradient in bf16 (the matmul YNNPACK upcasts and oneDNN runs in bf16) stays within 2% of
     fp32's (relative Frobenius error; bf16 has an 8-bit mantissa)."""
-    flags = load_config("drafters/smollm2-135m-dflash/recipe/code-bf16.yml").xla_flags
+    flags = load_config("drafters/smollm2-135m-dflash/recipe/code-bf16.yml", ["data.source=synthetic"]).xla_flags
     assert "--xla_cpu_use_onednn=true" in flags.split()
     script = textwrap.dedent(
         """

@@ -23,7 +23,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from train.config import cli_overrides, load_config  # noqa: E402
+from train.config import load_config  # noqa: E402
+from train.presets import cli_overrides  # noqa: E402
 
 EXPORT_S = 20.0  # the export and the files after it
 

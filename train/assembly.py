@@ -156,28 +156,20 @@ def drafter_config(cfg, target_cfg):
     d = cfg.drafter
     if d.preset is not None:
         dcfg = drafter_preset(d.preset)
-    else:
-        if d.mask_token_id is None:
-            raise ValueError("drafter.mask_token_id is required when drafter.preset is null")
-        ids = tuple(d.target_layer_ids) if d.target_layer_ids is not None else None
+    else:  # RunConfig.validate() saw to mask_token_id
         dcfg = drafter_config_for(
             target_cfg,
-            mask_token_id=int(d.mask_token_id),
-            num_layers=int(d.num_layers),
-            n_features=int(d.n_features),
+            mask_token_id=d.mask_token_id,
+            num_layers=d.num_layers,
+            n_features=d.n_features,
             intermediate_size=d.intermediate_size,
-            target_layer_ids=ids,
+            target_layer_ids=d.target_layer_ids,
         )
     if d.layer_types is not None:
         # DrafterConfig checks the names and that there is one per layer, naming the key.
-        window = int(d.sliding_window) if d.sliding_window is not None else None
-        dcfg = dcfg.replace(layer_types=tuple(d.layer_types), sliding_window=window)
-    elif d.sliding_window is not None:
-        raise ValueError(
-            f"drafter.sliding_window={d.sliding_window} needs drafter.layer_types with a sliding_attention layer"
-        )
+        dcfg = dcfg.replace(layer_types=d.layer_types, sliding_window=d.sliding_window)
     # AdamW on bf16 weights loses small updates; the drafter trains in fp32 and is cast at export.
-    dcfg = dcfg.replace(block_size=int(cfg.block_size), dtype="float32")
+    dcfg = dcfg.replace(block_size=cfg.block_size, dtype="float32")
     check_pairing(dcfg, target_cfg, source=f"drafter ({d.preset or 'from config'})")
     if cfg.export.enabled:  # a format that cannot carry this drafter stops the run now, not after training
         for fmt, _ in EXPORT_LAYOUT[cfg.export.format]:
@@ -232,7 +224,7 @@ def check_eval_lengths(cfg, positions: int) -> None:
 
 def resolve_mesh(cfg, devices=None):
     devices = list(jax.devices() if devices is None else devices)
-    m = {k: int(cfg.mesh[k]) for k in ("data", "fsdp", "tensor")}
+    m = {k: getattr(cfg.mesh, k) for k in ("data", "fsdp", "tensor")}
     free = [k for k, v in m.items() if v == -1]
     if len(free) > 1:
         raise ValueError(f"mesh {m}: at most one axis may be -1")

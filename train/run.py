@@ -62,7 +62,8 @@ def init_distributed() -> bool:
 
 def main(argv: list[str] | None = None) -> dict:
     from dflash_model.cli import add_xla_flags
-    from train.config import cli_overrides, load_config
+    from train.config import load_config
+    from train.presets import cli_overrides
 
     args = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in args):
@@ -157,7 +158,8 @@ def _run(name: str, overrides: list[str], cfg, lock) -> dict:
 def dry_run(args: list[str]) -> dict:
     """`--dry-run [--pod SPEC]`: plan the config on a pod (train/plan.py) and print the table."""
     from train import plan
-    from train.config import cli_overrides, load_config
+    from train.config import load_config
+    from train.presets import cli_overrides
 
     args = [a for a in args if a != "--dry-run"]
     pod_spec = "v5p-128"

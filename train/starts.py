@@ -39,7 +39,8 @@ def copy_start(cfg, drafter, target, records):
 
 def directory_start(cfg, drafter, target, records):
     """A z-lab drafter directory's weights, grown by drafter.init_layers."""
-    init_weights(drafter, drafter.config, cfg.drafter.init, config_of(target), cfg.drafter.init_layers)
+    layers = cfg.drafter.init_layers
+    init_weights(drafter, drafter.config, cfg.drafter.init, config_of(target), None if layers is None else list(layers))
     return drafter
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Mapping
+from types import SimpleNamespace
 from typing import Any
 
 import jax
@@ -20,14 +22,13 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from dflash_model.target import config_of, final_norm, forward
-from train.config import Config
 from train.objective import dflash_loss, gamma_of, target_labels
 
 
 def make_optimizer(t, total_steps: int):
     """(AdamW + warmup-cosine + global-norm clipping, the schedule) from cfg.train's keys. Norm scales and other
-    1-D params do not decay."""
-    t = Config(t)
+    1-D params do not decay. `t`: cfg.train, or a mapping of its OPT_KEYS (a Program's frozen copy)."""
+    t = SimpleNamespace(**{k: t[k] if isinstance(t, Mapping) else getattr(t, k) for k in OPT_KEYS})
     warmup = int(round(float(t.warmup_ratio) * total_steps))
     if t.schedule == "cosine":
         sched = optax.warmup_cosine_decay_schedule(
@@ -46,7 +47,7 @@ def make_optimizer(t, total_steps: int):
         optax.clip_by_global_norm(float(t.grad_clip)),
         optax.adamw(sched, b1=float(t.b1), b2=float(t.b2), weight_decay=float(t.weight_decay), mask=decay_mask),
     )
-    ratios = dict(t.get("lr_ratio") or {})
+    ratios = dict(t.lr_ratio or {})
     if ratios:  # only then: a run without it keeps the optimizer state layout of earlier checkpoints
         tx = optax.chain(tx, _scale_by_name(ratios))
     return tx, sched
@@ -167,7 +168,7 @@ class Program:
             # lr_ratio is a dict: frozen to pairs so the Program stays hashable (make_optimizer reads either)
             opt=tuple(
                 (k, tuple(v.items()) if isinstance(v, dict) else v)
-                for k, v in ((k, cfg.train.get(k)) for k in OPT_KEYS)
+                for k, v in ((k, getattr(cfg.train, k)) for k in OPT_KEYS)
             ),
             total_steps=int(total_steps),
             mesh_key=(tuple(mesh.shape.items()), tuple(d.id for d in mesh.devices.flat)),

@@ -168,7 +168,7 @@ class Trainer:
             ck.dir if ck.dir is not None else run_path(self.run_uri, "checkpoints"),
             meta=self._meta(),
             max_to_keep=ck.max_to_keep,
-            asynchronous=bool(ck["async"]),
+            asynchronous=ck.asynchronous,
             lr_at=lambda total, step: float(make_optimizer(cfg.train, total)[1](step)),
         )
         self.restored_step = self.restore() if restore else None
