@@ -109,20 +109,21 @@ def resolve(name_or_path: str | Path, overrides: list[str]) -> tuple[dict, dict[
     path = _find(name_or_path)
     preset = merge(schema, read_yaml(path), schema, where=str(path))  # a preset may only set keys base.yml defines
     cfg = apply_overrides(preset, overrides, schema)
-    blocks = _block_entries(cfg, schema, where=str(path))
+    blocks = _block_entries(cfg, where=str(path))
+    # Each entry as a run at its K reads it; merging with the schema checks the entry's keys.
+    at_k = {
+        k: merge(cfg, {**entry, "block_size": k}, schema, where=f"{path} blocks.{k}", prefix=f"blocks.{k}.")
+        for k, entry in blocks.items()
+    }
     if int(cfg["block_size"]) in blocks:
         # The preset's values for this K, then the command line's again: an explicit override still wins.
         preset = merge(preset, blocks[int(cfg["block_size"])], schema, where=f"{path} blocks")
         cfg = apply_overrides(preset, overrides, schema)
     cfg["blocks"] = blocks  # one entry a K, however its key was spelled
-    at_k = {
-        k: merge(cfg, {**entry, "block_size": k}, schema, where=f"{path} blocks.{k}", prefix=f"blocks.{k}.")
-        for k, entry in blocks.items()
-    }
     return cfg, at_k
 
 
-def _block_entries(cfg: dict, schema: dict, where: str) -> dict[int, dict]:
+def _block_entries(cfg: dict, where: str) -> dict[int, dict]:
     """`blocks: {K: {key: value}}`, the settings a preset ships for block size K (`--block K`)."""
     out: dict[int, dict] = {}
     for k, entry in (cfg.get("blocks") or {}).items():
@@ -136,7 +137,6 @@ def _block_entries(cfg: dict, schema: dict, where: str) -> dict[int, dict]:
         for key in _NOT_PER_BLOCK:
             if key in entry:
                 raise ConfigKeyError(f"config key 'blocks.{k}.{key}' in {where}: a blocks entry cannot set {key}")
-        merge(cfg, entry, schema, where=f"{where} blocks.{k}", prefix=f"blocks.{k}.")  # its keys exist
     return out
 
 

@@ -246,7 +246,7 @@ def eval_settings(cfg) -> dict:
     """Everything an end-of-run eval's numbers depend on besides the drafter's step (a cached eval is reused only
     when these match)."""
     return {
-        **json.loads(json.dumps(dataclasses.asdict(cfg.eval))),
+        **cfg.to_dict()["eval"],
         "block_size": int(cfg.block_size),
         "features_zero": bool(cfg.features.zero),
     }
