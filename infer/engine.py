@@ -95,10 +95,13 @@ def _loop_ms(fn, reps: int) -> float:
 @dataclasses.dataclass
 class Generation:
     tokens: list[int]  # generated ids after the prompt, cut after the first stop id and at max_new_tokens
-    accept_lengths: list[int]  # committed tokens per verify round, bonus included (before that cut)
+    accept_lengths: list[int]  # tokens each verify round committed (accepted drafts + the bonus, cut at a stop
+    # token and at max_new_tokens): they sum to len(tokens) - 1, the first token being the prefill's
     proposals: list[list[int]]  # the K-1 drafted ids of each round
     verify_widths: list[int] = dataclasses.field(default_factory=list)  # tokens verified by each round
     drafted: list[bool] = dataclasses.field(default_factory=list)  # whether each round ran a drafter forward
+    # accepted drafts + 1 before the cuts: what z-lab's benchmark counts (a last round may overrun the budget)
+    accept_lengths_uncut: list[int] = dataclasses.field(default_factory=list)
 
 
 def checked_tree_prior(prior) -> dict[int, float]:
@@ -350,12 +353,13 @@ class Engine:
         return jnp.asarray(ids), jnp.asarray(lengths), jax.random.key(seed)
 
     def results(self, state: DecodeState) -> list[Generation]:
-        history, plen, n, accept, proposals, widths, drafted, nonfinite = jax.device_get(
+        history, plen, n, accept, uncut, proposals, widths, drafted, nonfinite = jax.device_get(
             (
                 state.history,
                 state.prompt_len,
                 state.n,
                 state.accept,
+                state.uncut,
                 state.proposals,
                 state.widths,
                 state.drafted,
@@ -379,6 +383,7 @@ class Engine:
                     proposals[b, :rounds].tolist(),
                     widths[:rounds].tolist(),
                     drafted[:rounds].tolist(),
+                    uncut[b, :rounds].tolist(),
                 )
             )
         return out

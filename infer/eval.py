@@ -4,11 +4,15 @@ the speedup projected on accelerator profiles, lossless check.
   python -m infer.eval --target DIR|FILE.gguf|smollm2 --draft DIR|ngram|random|none | --compare DIR \
       --dataset gsm8k|math500|humaneval|mbpp|mtbench|aime25|alpaca|zlab|SET,SET|hf:ORG/NAME[:SPLIT]|FILE.jsonl \
       [--limit N] [--max-new-tokens N] [--block K] [--temperature T] [--batch-size B] \
-      [--profiles tpu-v5p,h100,this-machine] --out DIR
+      [--profiles tpu-v5p,tpu-v6e,h100,h200,this-machine] --out DIR
 
-tau, the headline, is tau_pooled = 1 + total accepted drafts / total rounds (every round weighs the same;
-vllm-project/speculators' convention); tau_per_prompt, the mean over prompts of each prompt's committed tokens per
-round (z-lab dflash.benchmark's), is reported beside it. Survival S_j = P(at least j drafts accepted in a round).
+tau, the headline, is tau_pooled = committed tokens / rounds (every round weighs the same; vllm-project/speculators'
+convention), counted on what was output: a round's accepted drafts + 1, cut at a stop token and at the budget;
+tau_per_prompt, the mean over prompts of each prompt's tau, is reported beside it, and tau_zlab (z-lab
+dflash.benchmark's per-prompt tau, which counts a last round's drafts past the budget) as a compatibility column.
+Every tau, S_j and projected speedup carries a 95% bootstrap interval over prompts (infer/intervals.py), and
+`--compare` sets each drafter against n-gram at the drafter's own K with a paired interval. Survival S_j = P(at
+least j drafts accepted in a round).
 The measured speedup is wall clock on this machine; a projected speedup is tau over the round cost a profile
 (infer/profiles/NAME.json, in plain decode steps) predicts for the rounds' verify widths, not a timing.
 
@@ -44,6 +48,7 @@ from dflash_model.cli import run_main
 from dflash_model.files import atomic_write_text, local_dir, push, run_path, sha256_file
 from dflash_model.tokenizer import chat_prompt_ids, stop_token_ids
 from infer.engine import Engine
+from infer.intervals import comparisons, decoder_intervals, format_comparisons
 from infer.loading import (
     DRAFT_HELP,
     NGRAM_BLOCK,
@@ -55,24 +60,29 @@ from infer.loading import (
 )
 from infer.metrics import conditional_acceptance, strict_dumps, survival, tau_per_prompt, tau_pooled
 from infer.plain import bucket_length
-from infer.projection import HEADLINE_PROFILE, Profile, available_profiles, load_profiles, project
+from infer.projection import HEADLINE_PROFILE, Profile, available_profiles, load_profiles, project, prompt_costs
 from infer.proposers import Stateless
 from infer.spec import MAX_BLOCK, check_positions
 from infer.target_spec import load_target_spec
 
 DATASETS = tuple(SETS)
 TAU_NOTE = (
-    "tau (the headline) = tau_pooled = 1 + total accepted drafts / total rounds: every round weighs the same "
-    "(vllm-project/speculators' convention); tau_per_prompt = mean over prompts of each prompt's committed tokens "
-    "per round: every prompt weighs the same (z-lab dflash.benchmark's convention; prompts with no round left out)"
+    "tau (the headline) = tau_pooled = committed tokens / rounds, every round weighing the same (vllm-project/"
+    "speculators' convention), counted on what each round output: accepted drafts + 1, cut at a stop token and at "
+    "the budget; tau_per_prompt = mean over prompts of each prompt's committed tokens per round (prompts with no "
+    "round left out); tau_zlab = z-lab dflash.benchmark's per-prompt tau, which counts a last round's accepted "
+    "drafts + 1 before those cuts (up to K - 1 tokens never output), for setting published numbers beside ours; "
+    "[lo, hi] = 95% bootstrap interval over prompts"
 )
 LOSSLESS_SAMPLED = "in distribution (T>0, not token-checked)"
 PROJECTION_NOTE = (
     "projected_speedup[profile] = committed tokens / the rounds' cost in plain decode steps as infer/profiles/"
-    "<profile>.json predicts it: each round verify_cost(its verify width) + draft_cost where a drafter forward ran, "
-    "+ lookup_draft_cost where none did (n-gram, reply lookup, lookup trees; 0 in the committed profiles, an upper "
-    "bound); = tau_pooled / projected_round_cost. A projection from those costs, not a timing: `speedup` is the "
-    "measured one. null where a round's width is outside the profile's curve (projection_refused says which)"
+    "<profile>.json predicts it: measured profiles price each round verify_cost(its width) + draft_cost where a "
+    "drafter forward ran; roofline profiles (infer/roofline.py, a Qwen3-8B-sized target with a 5-layer drafter, "
+    "batch 1) price verify(width) + the drafter's forward where one ran + the round's fixed overhead, calibrated "
+    "on the published TPU v5p round cost; = tau_pooled / projected_round_cost. A projection, not a timing: "
+    "`speedup` is the measured one. null where a round's width is outside the profile's curve (projection_refused "
+    "says which)"
 )
 
 
@@ -176,15 +186,24 @@ def has_drafter(draft) -> bool:
 
 
 def tau_and_projection(records: list[dict], draft, profiles: dict[str, Profile]) -> dict:
-    """Both taus and the speedup each profile projects for these rounds (infer.projection)."""
+    """Both taus (on committed tokens), z-lab's overrun-counted tau, the speedup each profile projects for these
+    rounds (infer.projection), and 95% bootstrap intervals over prompts on all of them (infer.intervals)."""
     per_prompt = [r["accept_lengths"] for r in records]
+    k, drafter = draft.block_size, has_drafter(draft)
+    costs = {name: prompt_costs(p, records, k, drafter) for name, p in profiles.items()}
+    uncut = [r["accept_lengths_uncut"] for r in records if "accept_lengths_uncut" in r]
     return {
         "tau_pooled": tau_pooled([a for lengths in per_prompt for a in lengths]),
         "tau_per_prompt": tau_per_prompt(per_prompt),
         "tau_headline": "tau_pooled",
         "tau_note": TAU_NOTE,
-        **project(profiles, records, draft.block_size, has_drafter(draft)),
+        # z-lab dflash.benchmark's number, for setting published taus beside ours: per prompt, a + 1 before the
+        # cut at the budget and at a stop token (a last round can count up to K - 1 tokens never output)
+        "tau_zlab": tau_per_prompt(uncut) if len(uncut) == len(records) else math.nan,
+        **project(profiles, records, k, drafter),
         "projection_note": PROJECTION_NOTE,
+        "projected_cost_per_prompt": costs,
+        **decoder_intervals(records, k, costs),
     }
 
 
@@ -313,6 +332,7 @@ def run_comparison(
                         "plain_tokens": g_plain.tokens,
                         "spec_tokens": g_spec.tokens,
                         "accept_lengths": g_spec.accept_lengths,
+                        "accept_lengths_uncut": g_spec.accept_lengths_uncut,
                         "verify_widths": g_spec.verify_widths,
                         "drafted": g_spec.drafted,
                         "plain_decode_s": plain_s,
@@ -502,8 +522,30 @@ def _times(x, digits: int = 2) -> str:
     return "-" if x is None or math.isnan(x) else f"{x:.{digits}f}x"
 
 
+def _ci(pair, digits: int = 2) -> str:
+    """' [lo, hi]' of a 95% interval, or '' where there is none (an older eval.json, or too few prompts)."""
+    if not pair or any(v is None or math.isnan(v) for v in pair):
+        return ""
+    return f" [{pair[0]:.{digits}f}, {pair[1]:.{digits}f}]"
+
+
+def _tau_cell(rep: dict) -> str:
+    return _num(rep["tau"]) + _ci(rep.get("tau_ci"))
+
+
+def _survival_cell(rep: dict, j: int) -> str:
+    """S_j and its interval (j from 1)."""
+    values = list(rep["acceptance_unconditional"])
+    cis = list(rep.get("survival_ci") or [])
+    if j > len(values):
+        return "-"
+    return _num(values[j - 1]) + _ci(cis[j - 1] if j <= len(cis) else None)
+
+
 def _projected(rep: dict, profile: str) -> str:
-    return _times((rep.get("projected_speedup") or {}).get(profile))
+    return _times((rep.get("projected_speedup") or {}).get(profile)) + _ci(
+        (rep.get("projected_speedup_ci") or {}).get(profile)
+    )
 
 
 def _projected_others(rep: dict, names: list[str]) -> str:
@@ -533,8 +575,11 @@ def format_table(rep: dict) -> str:
         "| metric | value |",
         "|---|---|",
         f"| verify rounds | {rep['rounds']} |",
-        f"| tau (mean committed per round, bonus incl.; pooled over rounds, the headline) | {_num(rep['tau'])} |",
-        f"| tau per prompt (mean over prompts of each prompt's tau) | {_num(rep.get('tau_per_prompt'))} |",
+        f"| tau (committed tokens per round, bonus incl.; pooled over rounds, the headline) | {_tau_cell(rep)} |",
+        f"| tau per prompt (mean over prompts of each prompt's tau) | {_num(rep.get('tau_per_prompt'))}"
+        f"{_ci(rep.get('tau_per_prompt_ci'))} |",
+        f"| tau, z-lab's count (per prompt; a last round's drafts past the budget counted) | "
+        f"{_num(rep.get('tau_zlab'))} |",
         f"| TPOT plain (ms) | {_num(rep['tpot_plain_ms'], 2)} |",
         f"| TPOT speculative (ms) | {_num(rep['tpot_spec_ms'], 2)} |",
         f"| speedup, measured wall clock (decode only) | {_times(rep['speedup'], 3)}{_spread(rep)} |",
@@ -548,7 +593,9 @@ def format_table(rep: dict) -> str:
         "",
         "| draft position j | " + " | ".join(str(j) for j in range(1, k)) + " |",
         "|---|" + "---|" * (k - 1),
-        "| survival S_j = P(>= j accepted) | " + " | ".join(_num(x) for x in rep["acceptance_unconditional"]) + " |",
+        "| survival S_j = P(>= j accepted) [95% interval] | "
+        + " | ".join(_survival_cell(rep, j) for j in range(1, k))
+        + " |",
         "| conditional P(j accepted given j-1) | " + " | ".join(_num(x) for x in rep["acceptance_conditional"]) + " |",
         "",
         _tau_footer(rep) + " Projected speedups are tau over the round cost an accelerator profile predicts "
@@ -616,11 +663,10 @@ def _lossless_cell(rep: dict, count: str) -> str:
 
 
 def _comparison_row(name: str, r: dict, headline: str, others: list[str]) -> str:
-    acc = (list(r["acceptance_unconditional"]) + [math.nan] * 3)[:3]
     return (
-        f"| {name} | {r['block_size']} | {r.get('mean_verify_width', r['block_size']):.1f} | {_num(r['tau'])} | "
-        f"{_num(r.get('tau_per_prompt'))} | "
-        + " | ".join(_num(a) for a in acc)
+        f"| {name} | {r['block_size']} | {r.get('mean_verify_width', r['block_size']):.1f} | {_tau_cell(r)} | "
+        f"{_num(r.get('tau_per_prompt'))} | {_num(r.get('tau_zlab'))} | "
+        + " | ".join(_survival_cell(r, j) for j in (1, 2, 3))
         + f" | {_num(r['tpot_spec_ms'], 1)} | {_times(r['speedup'])}{_spread(r)} | {_projected(r, headline)} | "
         f"{_projected_others(r, others)} | {_num(r.get('loop_overhead'), 2)} | {_num(r['tokens_per_s_spec'], 2)} | "
         f"{_lossless_cell(r, 'equal')} |"
@@ -637,8 +683,9 @@ def _decoding(rep: dict) -> str:
     )
 
 
-def format_comparison(reports: dict[str, dict]) -> str:
-    """One row per decoder, plain first: the table a run prints at its end."""
+def format_comparison(reports: dict[str, dict], found: list[dict] | None = None) -> str:
+    """One row per decoder, plain first, then the paired comparisons (`found`, default `infer.intervals.comparisons`
+    under the headline profile): the table a run prints at its end."""
     first = next(iter(reports.values()))
     names = _profiles_of(first)
     headline, others = (names[0], names[1:]) if names else ("-", [])
@@ -647,14 +694,19 @@ def format_comparison(reports: dict[str, dict]) -> str:
         f"interleaved prompt by prompt, {first.get('repeats', 1)} repeat(s): TPOT and measured speedup are medians, "
         "decode only, the range over repeats in brackets; width = mean tokens verified per round; overhead = decode "
         "time / its verify and drafter forwards timed alone",
-        f"| decoder | K | width | tau | tau/prompt | S_1 | S_2 | S_3 | TPOT ms | speedup, measured | projected, "
-        f"{headline} | projected, other profiles | overhead | tokens/s | lossless |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---|",
-        f"| plain | 1 | 1.0 | 1.000 | 1.000 | - | - | - | {_num(first['tpot_plain_ms'], 1)} | 1.00x | 1.00x | "
+        f"| decoder | K | width | tau [95%] | tau/prompt | tau, z-lab | S_1 | S_2 | S_3 | TPOT ms | speedup, measured "
+        f"| projected, {headline} | projected, other profiles | overhead | tokens/s | lossless |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---|",
+        f"| plain | 1 | 1.0 | 1.000 | 1.000 | 1.000 | - | - | - | {_num(first['tpot_plain_ms'], 1)} | 1.00x | 1.00x | "
         f"{', '.join(f'{n} 1.00x' for n in others) or '-'} | {_num(first.get('loop_overhead_plain'), 2)} | "
         f"{_num(first['tokens_per_s_plain'], 2)} | - |",
         *(_comparison_row(name, r, headline, others) for name, r in reports.items()),
         "",
+        *(
+            [format_comparisons(found if found is not None else comparisons(reports, headline)), ""]
+            if len(reports) > 1
+            else []
+        ),
         _tau_footer(first) + " S_j = survival, P(at least j drafts accepted in a round). Projected = tau over "
         "the round cost a profile (infer/profiles/NAME.json) predicts for the rounds' verify widths, in plain decode "
         "steps: a projection, not a timing ('-': a width outside the profile's curve); the measured speedup is this "
@@ -1047,21 +1099,25 @@ def format_sets(results: dict[str, dict], skipped: dict[str, str]) -> str:
     lines = [
         f"up to {first['max_new_tokens']} new tokens, {_decoding(first)}, {first.get('repeats', 1)} repeat(s); "
         "speedup: decode-only wall clock against plain decoding of the same set, interleaved",
-        f"| set | prompts | decoder | K | tau | tau/prompt | S_1 | S_2 | S_3 | speedup, measured | projected, "
-        f"{HEADLINE_PROFILE} | lossless |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        f"| set | prompts | decoder | K | tau [95%] | tau/prompt | tau, z-lab | S_1 | S_2 | S_3 | speedup, measured "
+        f"| projected, {HEADLINE_PROFILE} | lossless |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for name, res in results.items():
         for decoder, r in res["reports"].items():
-            acc = (list(r["acceptance_unconditional"]) + [math.nan] * 3)[:3]
             lines.append(
-                f"| {name} | {r['prompts']} | {decoder} | {r['block_size']} | {_num(r['tau'])} | "
-                f"{_num(r.get('tau_per_prompt'))} | " + " | ".join(_num(a) for a in acc) + f" | "
+                f"| {name} | {r['prompts']} | {decoder} | {r['block_size']} | {_tau_cell(r)} | "
+                f"{_num(r.get('tau_per_prompt'))} | {_num(r.get('tau_zlab'))} | "
+                + " | ".join(_survival_cell(r, j) for j in (1, 2, 3))
+                + " | "
                 f"{_times(r['speedup'])}{_spread(r)} | {_projected(r, HEADLINE_PROFILE)} | "
                 f"{_lossless_cell(r, 'equal')} |"
             )
-    lines += [f"| {name} | - | skipped: {why} | | | | | | | | | |" for name, why in skipped.items()]
+    lines += [f"| {name} | - | skipped: {why} | | | | | | | | | | |" for name, why in skipped.items()]
     lines += ["", _tau_footer(first) + " S_j = survival, P(at least j drafts accepted in a round)."]
+    for name, res in results.items():
+        if len(res["reports"]) > 1:
+            lines += ["", f"{name}: " + format_comparisons(comparisons(res["reports"], HEADLINE_PROFILE))]
     return "\n".join(lines)
 
 

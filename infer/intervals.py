@@ -19,6 +19,9 @@ from collections.abc import Sequence
 import numpy as np
 
 REPLICATES = 2000  # percentile-interval ends move by about 0.005 of their width between seeds at this count
+# Below this many prompts a bootstrap has too few distinct resamples for its percentile ends to mean a 95% interval
+# (2 prompts give 3 values), so no difference is called resolved, however far from 0 its interval lies.
+MIN_PROMPTS = 10
 SEED = 0
 LEVEL = 0.95
 
@@ -71,7 +74,7 @@ def paired_difference(
     level: float = LEVEL,
 ) -> dict:
     """A - B for two ratios of per-prompt sums over the same prompts in the same order, a = (num, den):
-    {difference, low, high, prompts, resolved}; resolved = the interval excludes 0."""
+    {difference, low, high, prompts, resolved}; resolved = the interval excludes 0 over at least MIN_PROMPTS."""
     (an, ad), (bn, bd) = (tuple(np.asarray(x, np.float64) for x in side) for side in (a, b))
     if not (an.shape == ad.shape == bn.shape == bd.shape) or an.ndim != 1:
         raise ValueError("a paired comparison needs both decoders' numbers on the same prompts")
@@ -81,7 +84,7 @@ def paired_difference(
     if n and all(np.all(np.isfinite(x)) for x in (an, ad, bn, bd)):
         draws = resamples(n, replicates, seed)
         lo, hi = _interval(_ratio(an, ad, draws) - _ratio(bn, bd, draws), level)
-    resolved = bool(math.isfinite(lo) and (lo > 0 or hi < 0))
+    resolved = bool(n >= MIN_PROMPTS and math.isfinite(lo) and (lo > 0 or hi < 0))
     return {"difference": float(point), "low": lo, "high": hi, "prompts": n, "resolved": resolved}
 
 
@@ -94,7 +97,8 @@ def sentence(name_a: str, name_b: str, diff: dict, what: str = "tau", digits: in
         f"95% paired bootstrap over {n} prompts"
     )
     if not diff["resolved"]:
-        return f"{name_a} against {name_b} on {what}: not resolved at {n} prompts ({span})"
+        few = f", fewer than {MIN_PROMPTS}" if n < MIN_PROMPTS else ""
+        return f"{name_a} against {name_b} on {what}: not resolved at {n} prompts{few} ({span})"
     ahead, behind = (name_a, name_b) if d > 0 else (name_b, name_a)
     return f"{ahead} ahead of {behind} on {what} by {abs(d):.{digits}f} ({span})"
 

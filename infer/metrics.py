@@ -9,9 +9,10 @@ draft). With a = length - 1 accepted drafts, a round of block K accepts 0..K-1 d
   tau_pooled       1 + total accepted / total rounds = total committed / total rounds (every round weighs the same).
   tau_per_prompt   mean over prompts of each prompt's mean committed per round (every prompt weighs the same).
 
-Projection: a plain decode step (a one-token verify) costs 1; a round of width w costs verify_cost(w) + draft_cost,
-both in plain steps, so projected speedup = committed tokens / the rounds' summed cost. numpy only: no jax, so these
-numbers can be recomputed from a saved eval.json anywhere.
+Projection: a plain decode step (a one-token verify) costs 1; a round of width w costs verify_cost(w) + draft_cost(w)
+(lookup_draft_cost(w) where no drafter forward ran), all in plain steps, so projected speedup = committed tokens /
+the rounds' summed cost. numpy only: no jax, so these numbers can be recomputed from a saved eval.json anywhere (a
+roofline profile's costs with infer/roofline.py, plain Python).
 """
 
 from __future__ import annotations
@@ -68,26 +69,66 @@ def interpolate_cost(points: Mapping[int, float], k: int, what: str = "cost") ->
     return float(np.interp(k, ks, costs))
 
 
+def _cost_at(cost, k: int, name: str) -> float:
+    """A profile's cost at width k: a {width: cost} table (interpolated, refused outside its widths), a function of
+    the width, or one number for every width."""
+    if isinstance(cost, Mapping):
+        return interpolate_cost(cost, k, f"profile {name}")
+    if callable(cost):
+        return float(cost(k))
+    return float(cost)
+
+
+def round_costs(
+    widths: Sequence[int],
+    drafter_rounds: Sequence[bool],
+    *,
+    verify_cost,
+    draft_cost,
+    lookup_draft_cost=0.0,
+    name: str = "profile",
+) -> list[float]:
+    """Each round's cost in plain steps: verify_cost(widths[r]) plus draft_cost(widths[r]) where a drafter forward
+    ran (drafter_rounds[r]), else lookup_draft_cost(widths[r]). Each cost is a {width: cost} table (linear between
+    its widths; a width outside them raises ValueError naming the profile), a function of the width, or a number."""
+    if len(widths) != len(drafter_rounds):
+        raise ValueError("one width and one drafter flag per round")
+    cache: dict[tuple[int, bool], float] = {}
+    out = []
+    for w, d in zip(widths, drafter_rounds):
+        key = (int(w), bool(d))
+        if key not in cache:
+            extra = draft_cost if d else lookup_draft_cost
+            cache[key] = _cost_at(verify_cost, key[0], name) + _cost_at(extra, key[0], name)
+        out.append(cache[key])
+    return out
+
+
 def projected_speedup(
     accept_lengths: Sequence[int],
     widths: Sequence[int],
     drafter_rounds: Sequence[bool],
     *,
-    verify_cost: Mapping[int, float],
-    draft_cost: float,
-    lookup_draft_cost: float = 0.0,
+    verify_cost,
+    draft_cost,
+    lookup_draft_cost=0.0,
     name: str = "profile",
 ) -> tuple[float, float]:
-    """(speedup, mean round cost in plain steps) of these rounds where costs follow a profile: round r costs
-    verify_cost(widths[r]) plus draft_cost where a drafter forward ran (drafter_rounds[r]), else lookup_draft_cost.
-    Plain decoding commits 1 token per plain step, so speedup = committed tokens / summed round cost. Raises
-    ValueError naming the profile for a width outside its verify curve."""
+    """(speedup, mean round cost in plain steps) of these rounds where costs follow a profile (`round_costs`: a
+    table, a function of the width or a number each). Plain decoding commits 1 token per plain step, so speedup =
+    committed tokens / summed round cost. Raises ValueError naming the profile for a width outside a table."""
     if not (len(accept_lengths) == len(widths) == len(drafter_rounds)):
         raise ValueError("one width and one drafter flag per round")
     if not len(accept_lengths):
         return math.nan, math.nan
-    verify = {w: interpolate_cost(verify_cost, int(w), f"profile {name}") for w in set(widths)}
-    costs = [verify[w] + (draft_cost if d else lookup_draft_cost) for w, d in zip(widths, drafter_rounds)]
+    costs = round_costs(
+        widths,
+        drafter_rounds,
+        verify_cost=verify_cost,
+        draft_cost=draft_cost,
+        lookup_draft_cost=lookup_draft_cost,
+        name=name,
+    )
     total = float(np.sum(costs))
     return float(np.sum(accept_lengths)) / total, total / len(costs)
 

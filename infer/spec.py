@@ -62,7 +62,8 @@ class DecodeState:
     draft: Any  # proposer state (DFlash: its context cache, also of positions < n - 1)
     key: jax.Array  # sampling key (unused at temperature 0)
     rounds: jax.Array  # [] verify rounds run so far
-    accept: jax.Array  # [B, I] tokens committed by each verify round, bonus included (0 = row was done)
+    accept: jax.Array  # [B, I] tokens each verify round committed: a + 1, cut at a stop token and the budget (0: done)
+    uncut: jax.Array  # [B, I] a + 1 before those cuts (z-lab's count: a last round may count tokens never output)
     proposals: jax.Array  # [B, I, K-1] the drafts of each round
     widths: jax.Array  # [I] tokens verified by each round (the last token and widths - 1 drafts)
     drafted: jax.Array  # [I] bool: the round ran a drafter forward (the hybrid skips it when every row matched)
@@ -197,7 +198,8 @@ def _round(target, proposer, params, st: DecodeState, *, k, temperature, max_new
         cache=cache,
         draft=draft,
         rounds=st.rounds + 1,
-        accept=st.accept.at[:, st.rounds].set(jnp.where(st.done, 0, a + 1)),
+        accept=st.accept.at[:, st.rounds].set(num_new),
+        uncut=st.uncut.at[:, st.rounds].set(jnp.where(st.done, 0, a + 1)),
         # a tree round records its likeliest chain (DDTree: the drafter's greedy block)
         proposals=st.proposals.at[jnp.arange(b), st.rounds].set(v.prop.tokens),
         widths=st.widths.at[st.rounds].set(v.width),
@@ -253,6 +255,7 @@ def _prefill_impl(
         key=key,
         rounds=jnp.int32(0),
         accept=jnp.zeros((b, rounds), jnp.int32),
+        uncut=jnp.zeros((b, rounds), jnp.int32),
         proposals=jnp.zeros((b, rounds, k - 1), jnp.int32),
         widths=jnp.zeros((rounds,), jnp.int32),
         drafted=jnp.zeros((rounds,), bool),

@@ -53,8 +53,10 @@ def _check_records(gen, k):
     assert len(gen.accept_lengths) == len(gen.proposals)
     assert all(1 <= a <= k for a in gen.accept_lengths)
     assert all(len(p) == k - 1 for p in gen.proposals)
-    # Every generated token after the prefill's first came from a verify round.
-    assert sum(gen.accept_lengths) >= len(gen.tokens) - 1
+    # Every generated token after the prefill's first came from a verify round, and a round records what it output.
+    assert sum(gen.accept_lengths) == len(gen.tokens) - 1
+    assert len(gen.accept_lengths_uncut) == len(gen.accept_lengths)
+    assert all(c <= u <= k for c, u in zip(gen.accept_lengths, gen.accept_lengths_uncut))
 
 
 def test_accept_length_is_the_matching_prefix():
@@ -234,6 +236,72 @@ def _oracle_params(drafter, prompts, ref, k):
     """OracleMix's params: the drafter, each row's greedy continuation padded past the last round, prompt lengths."""
     ref_arr = jnp.asarray([r + [0] * (MAX_NEW + k - len(r)) for r in ref], jnp.int32)
     return {"drafter": drafter, "ref": ref_arr, "plen": jnp.asarray([len(p) for p in prompts], jnp.int32)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Oracle(OracleMix):
+    """Test proposer: every draft is the target's own greedy continuation, so every round accepts all K-1."""
+
+    def propose(self, params, target, state, history, n, k):
+        j = jnp.arange(k - 1)[None, :]
+        return jnp.take_along_axis(params["ref"], (n - params["plen"])[:, None] + j, axis=1)
+
+    def propose_scored(self, params, target, state, history, n, k):
+        prop = self.inner.propose_scored(params["drafter"], target, state, history, n, k)
+        return prop.replace(tokens=self.propose(params, target, state, history, n, k))
+
+
+def test_a_round_cut_at_the_budget_or_a_stop_counts_what_it_output():
+    """A K=16 drafter that is always right, 24 new tokens: the prefill gives 1, round 1 commits 16, round 2 has room
+    for 7 of its 16. tau counts 23 tokens over 2 rounds (11.5); z-lab's count, 16 + 16 over 2 rounds (16.0), is
+    kept beside it. With a stop token at reply position p <= 16, the one round commits p tokens, not 16."""
+    from infer import eval as ev
+    from infer.loading import Draft
+
+    prompts = _prompts(seed=1)
+    ref = _plain("qwen3", prompts)
+    assert [len(r) for r in ref] == [MAX_NEW, MAX_NEW]
+    # The oracle knows the reply past the budget too, so the last round's drafts are all right and overrun it.
+    longer = greedy_generate(_target("qwen3"), prompts, MAX_NEW + 16)
+    assert [r[:MAX_NEW] for r in longer] == ref
+    cfg, drafter = _tiny_drafter("qwen3")
+    params = _oracle_params(drafter, prompts, longer, 16)
+    engine = Engine(_target("qwen3"), Oracle(DFlashProposer(cfg)), params, block_size=16, max_new_tokens=MAX_NEW)
+    out = engine.generate(prompts)
+    assert [g.tokens for g in out] == ref
+    assert [g.accept_lengths for g in out] == [[16, 7], [16, 7]]
+    assert [g.accept_lengths_uncut for g in out] == [[16, 16], [16, 16]]
+    records = [
+        {
+            "id": i,
+            "plain_tokens": g.tokens,
+            "spec_tokens": g.tokens,
+            "accept_lengths": g.accept_lengths,
+            "accept_lengths_uncut": g.accept_lengths_uncut,
+            "plain_decode_s": [1.0],
+            "spec_decode_s": [0.5],
+        }
+        for i, g in enumerate(out)
+    ]
+    rep = ev.summarize(records, Draft("oracle", engine.proposer, params, 16), MAX_NEW)
+    assert rep["tau"] == pytest.approx(11.5) and rep["tau_per_prompt"] == pytest.approx(11.5)
+    assert rep["tau"] == pytest.approx(rep["decode_tokens_spec"] / rep["rounds"])
+    assert rep["tau_zlab"] == pytest.approx(16.0)
+    # Survival on what was output: every round reached 6 accepted drafts, only the first ones 15.
+    assert rep["survival"][5] == 1.0 and rep["survival"][14] == pytest.approx(0.5)
+
+    # A stop token first met at reply position p of row 0: the round commits p tokens and the row ends there.
+    p = next(i for i in range(3, 16) if ref[0][i] not in ref[0][:i])
+    stop = Engine(
+        _target("qwen3"),
+        Oracle(DFlashProposer(cfg)),
+        _oracle_params(drafter, prompts[:1], longer[:1], 16),
+        block_size=16,
+        max_new_tokens=MAX_NEW,
+        stop_ids=(ref[0][p],),
+    ).generate(prompts[:1])[0]
+    assert stop.tokens == ref[0][: p + 1]
+    assert stop.accept_lengths == [p] and stop.accept_lengths_uncut == [16]
 
 
 @pytest.mark.parametrize("family,k,batch_one", [("qwen3", 16, True), ("llama", 4, False)])

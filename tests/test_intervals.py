@@ -106,6 +106,9 @@ def test_an_eval_compares_a_drafter_with_ngram_at_its_own_k_and_other_ks_on_proj
     projected = found[2]
     # wide: 14 tokens / (5 rounds x 2.0) = 1.4; narrow: 14 / (5 x 1.0) = 2.8
     assert projected["difference"] == pytest.approx(1.4 - 2.8)
+    # Two prompts: the paired interval of the projected speedups lies below 0, but two prompts resolve nothing.
+    assert projected["high"] < 0 and not projected["resolved"]
+    assert "not resolved at 2 prompts, fewer than 10" in projected["sentence"]
     text = intervals.format_comparisons(found)
     assert text.startswith("paired comparisons (3 made,") and "about 0.2 would read as resolved by chance" in text
     with pytest.raises(ValueError, match="same prompts"):
