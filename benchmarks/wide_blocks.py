@@ -38,6 +38,8 @@ from train.objective import default_gamma  # noqa: E402
 SHIPPED = "drafters/smollm2-135m-dflash"
 POSITIONS_PER_STEP = 2048  # drafted positions a step, whatever K: num_anchors = POSITIONS_PER_STEP / K
 CALIBRATION_STEPS = 5
+FT_LR = 5e-5  # every fine-tuned arm: the continued-training rate of the shipped drafter's stages
+SCRATCH_LR = 6e-4  # the from-scratch arms: the paper's rate
 REPLIES = {  # committed target replies (greedy, SmolLM2-135M-Instruct): file, lines taken
     "code": ("docs/results/gpu-burst-4/regen_gpu.jsonl.gz", 1200),
     "math": ("docs/results/gpu-burst-3/regen_gpu.jsonl.gz", 500),
@@ -46,7 +48,15 @@ REPLIES = {  # committed target replies (greedy, SmolLM2-135M-Instruct): file, l
 
 
 def arm_k(arm: str) -> int:
-    return int(arm.removeprefix("ft").removeprefix("scratch"))
+    """K_train of an arm name: ftK, scratchK, or either with a seed suffix sN (ft16s1: K=16, seed 1)."""
+    return int(arm.removeprefix("ft").removeprefix("scratch").partition("s")[0])
+
+
+def arm_seed(arm: str) -> int:
+    """The training seed of an arm (its sN suffix, else 0): a second seed of an arm sets its interval against
+    training noise."""
+    _, s, seed = arm.removeprefix("scratch").partition("s")
+    return int(seed) if s else 0
 
 
 def run(cmd: list[str], log: Path) -> None:
@@ -67,51 +77,89 @@ def mix(runs: Path) -> Path:
     return out
 
 
-def train_overrides(arm: str, data: Path) -> list[str]:
+def train_overrides(arm: str, data: Path, lr: float = FT_LR) -> list[str]:
     k = arm_k(arm)
-    start = [f"drafter.init={SHIPPED}", "drafter.init_vocab=true"] if arm.startswith("ft") else [
-        "drafter.init=null", "drafter.init_vocab=false", "train.lr=6.0e-4",
+    start = [f"drafter.init={SHIPPED}", "drafter.init_vocab=true", f"train.lr={lr}"] if arm.startswith("ft") else [
+        "drafter.init=null", "drafter.init_vocab=false", f"train.lr={SCRATCH_LR}",
     ]  # fmt: skip
     return [
         "--config", "smollm2-135m", "--block", str(k), f"data.source={data}", f"num_anchors={POSITIONS_PER_STEP // k}",
-        "gamma=null", "train.max_len=512", "eval.enabled=false", "log.every=10", "checkpoint.every_steps=50", *start,
+        "gamma=null", "train.max_len=512", "eval.enabled=false", "log.every=10", "checkpoint.every_steps=50",
+        f"seed={arm_seed(arm)}", *start,
     ]  # fmt: skip
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    """A run's metrics.jsonl rows; a torn last line (a run killed mid-write) is dropped, as the trainer drops it."""
+    path = run_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines()
+    rows = []
+    for n, line in enumerate(lines, 1):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if n < len(lines):
+                raise SystemExit(f"{path}: line {n} is not JSON") from None
+    return [r for r in rows if "step" in r]
 
 
 def step_seconds(run_dir: Path) -> float:
     """Median seconds of a step past the first (which compiles), from a run's metrics.jsonl."""
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    times = [r["step_s"] for r in rows if "step_s" in r and r["step"] > 1]
+    times = [r["step_s"] for r in _metrics(run_dir) if "step_s" in r and r["step"] > 1]
     if not times:
         raise SystemExit(f"{run_dir}/metrics.jsonl: no timed step past the first")
     return statistics.median(times)
 
 
-def train_arm(arm: str, data: Path, runs: Path, budget_s: float | None, steps: int | None) -> dict:
-    """Train one arm for `steps` steps, or for budget_s of steps after a calibration run; its export directory and
-    what it saw."""
+def labels_per_step(run_dir: Path) -> float:
+    """Mean labelled positions a step of a calibration run (slots whose label lies inside the reply)."""
+    rows = [r for r in _metrics(run_dir) if "valid_labels" in r]
+    if not rows:
+        raise SystemExit(f"{run_dir}/metrics.jsonl: no step with valid_labels")
+    return statistics.mean(r["valid_labels"] for r in rows)
+
+
+def calibrate(arm: str, data: Path, runs: Path, lr: float) -> Path:
+    cal = runs / f"cal-{arm}"
+    if not (cal / "metrics.jsonl").exists():
+        cmd = [sys.executable, "train/run.py", *train_overrides(arm, data, lr), f"train.steps={CALIBRATION_STEPS}",
+               f"run_dir={cal}", "export.enabled=false"]  # fmt: skip
+        run(cmd, runs / f"cal-{arm}.log")
+    return cal
+
+
+def train_arm(arm: str, data: Path, runs: Path, budget: dict, out: Path, lr: float = FT_LR) -> dict:
+    """Train one arm to its budget: {"steps": N}, {"seconds": S} (steps from a calibrated step time) or
+    {"positions": P} (steps from a calibration run's labelled positions a step, so that every arm sees at least P
+    labelled positions whatever its K); its export directory and what it saw, also written to out/arms/ARM.json
+    as soon as it is trained, so a study stopped later keeps every finished arm."""
+    record = out / "arms" / f"{arm}.json"
     s_step = None
+    steps = budget.get("steps")
     if steps is None:
-        cal = runs / f"cal-{arm}"
-        if not (cal / "metrics.jsonl").exists():
-            cmd = [sys.executable, "train/run.py", *train_overrides(arm, data), f"train.steps={CALIBRATION_STEPS}",
-                   f"run_dir={cal}", "export.enabled=false"]  # fmt: skip
-            run(cmd, runs / f"cal-{arm}.log")
+        cal = calibrate(arm, data, runs, lr)
         s_step = step_seconds(cal)
-        steps = max(1, int(budget_s / s_step))
-    out = runs / arm
-    export = out / "export"
+        if "positions" in budget:
+            steps = max(1, math.ceil(budget["positions"] / labels_per_step(cal)))
+        else:
+            steps = max(1, int(budget["seconds"] / s_step))
+    dest = runs / arm
+    export = dest / "export"
     if not (export / "config.json").exists():
-        cmd = [sys.executable, "train/run.py", *train_overrides(arm, data), f"train.steps={steps}", f"run_dir={out}"]
+        cmd = [sys.executable, "train/run.py", *train_overrides(arm, data, lr), f"train.steps={steps}",
+               f"run_dir={dest}"]  # fmt: skip
         run(cmd, runs / f"{arm}.log")
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = _metrics(dest)
     k = arm_k(arm)
-    return {
+    result = {
         "arm": arm,
         "k_train": k,
         "start": "shipped K=16 drafter" if arm.startswith("ft") else "random",
+        "seed": arm_seed(arm),
+        "lr": lr if arm.startswith("ft") else SCRATCH_LR,
         "gamma": default_gamma(k),
         "num_anchors": POSITIONS_PER_STEP // k,
+        "budget": budget,
         "calibrated_step_s": s_step,
         "steps": len(rows),
         "train_s": sum(r["step_s"] for r in rows),
@@ -120,6 +168,9 @@ def train_arm(arm: str, data: Path, runs: Path, budget_s: float | None, steps: i
         "final_loss": rows[-1]["loss"],
         "export": str(export),
     }
+    record.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(record, json.dumps(result, indent=1, allow_nan=False) + "\n")
+    return result
 
 
 def widths(k_infer: list[str], k_train: int) -> list[int]:
@@ -242,14 +293,27 @@ def main(argv=None) -> dict:
     ap.add_argument("--limit", type=int, default=10, help="prompts per set (default 10)")
     ap.add_argument("--max-new-tokens", type=int, default=512)
     ap.add_argument("--k-infer", default="8,16,32,64,128", help="K_infer list; `own` = each drafter's K_train")
-    ap.add_argument("--arms", default="ft16,ft32,ft64,ft128,scratch16,scratch64")
+    ap.add_argument("--arms", default="ft16,ft32,ft64,ft128,scratch16,scratch64", help="ftK, scratchK; sN adds a seed")
+    ap.add_argument(
+        "--positions",
+        type=int,
+        default=None,
+        help="equal labelled positions per arm (each arm's steps from its calibration run's labelled positions a "
+        "step); takes the place of --train-minutes and --steps",
+    )
+    ap.add_argument("--lr", type=float, default=FT_LR, help=f"every fine-tuned arm's learning rate ({FT_LR})")
     args = ap.parse_args(argv)
     out, runs = ROOT / args.out, ROOT / args.runs
     out.mkdir(parents=True, exist_ok=True)
     k_infer = args.k_infer.split(",")
     data = mix(runs)
-    budget = None if args.train_minutes is None else args.train_minutes * 60
-    arms = [train_arm(a, data, runs, budget, args.steps) for a in args.arms.split(",")]
+    if args.positions is not None:
+        budget = {"positions": args.positions}
+    elif args.steps is not None:
+        budget = {"steps": args.steps}
+    else:
+        budget = {"seconds": args.train_minutes * 60}
+    arms = [train_arm(a, data, runs, budget, out, args.lr) for a in args.arms.split(",")]
     evals = {s.partition(":")[0]: eval_set(s, arms, k_infer, args, out) for s in args.sets.split(",")}
     mats = matrices(evals)
     study = {"settings": vars(args), "positions_per_step": POSITIONS_PER_STEP, "arms": arms, "matrices": mats}

@@ -91,7 +91,10 @@ def test_eval_cli_on_a_jsonl_of_prompt_ids(tmp_path, capsys):
     assert saved["decode_tokens_plain"] == saved["decode_tokens_spec"] == 2 * 11
     assert saved["speedup"] == pytest.approx(saved["tpot_plain_ms"] / saved["tpot_spec_ms"])
     assert (out / "acceptance.png").stat().st_size > 1000
-    assert "tau (mean committed per round" in capsys.readouterr().out
+    assert "tau (committed tokens per round" in capsys.readouterr().out
+    # The headline counts what was output: every decode token after the prefill's came from a round.
+    assert saved["tau"] == pytest.approx(saved["decode_tokens_spec"] / saved["rounds"])
+    assert saved["tau_ci"][0] <= saved["tau"] <= saved["tau_ci"][1] and saved["tau_zlab"] >= saved["tau_per_prompt"]
     assert rep["per_prompt"][0]["id"] == "p0"
     # The loop overhead: decode time over its verify forwards timed alone; a finite positive ratio.
     assert 0 < saved["loop_overhead"] < 100 and saved["costs_ms"]["plain"]["widths"] == [1]
