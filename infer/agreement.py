@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +29,7 @@ import numpy as np
 
 from dflash_model.drafter import train_logits
 from dflash_model.target import config_of, forward, lm_head
+from infer.intervals import LEVEL, REPLICATES, SEED, _interval, resamples
 
 # Anchors per drafter call: the lm_head's [anchors, K-1, V] logits of one call stay near 2**26 floats.
 _LOGITS_BUDGET = 1 << 26
@@ -77,6 +79,103 @@ def censored_survival(accepted, final, k: int) -> list[float]:
     return out
 
 
+# --- survival over prompts resampled: the bootstrap of `censored_survival` ------------------------------------------
+
+
+def prompt_block_counts(accept_lengths, finals, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per prompt (one list of accept lengths, accepted drafts + 1, and one of final flags each), what
+    `censored_survival` sums over blocks: counts [P, 3, K-1], at slot i = 1..K-1 the blocks passing it (a >= i),
+    at risk at it (passing, or final with a = i - 1) and reaching it (a >= i - 1); and blocks [P]. Survival over
+    any multiset of prompts is then a function of their summed counts (`survival_from_counts`)."""
+    out = np.zeros((len(accept_lengths), 3, max(k - 1, 0)), np.int64)
+    blocks = np.zeros(len(accept_lengths), np.int64)
+    slots = np.arange(1, k)
+    for p, (lengths, final) in enumerate(zip(accept_lengths, finals, strict=True)):
+        a, f = np.asarray(lengths, np.int64) - 1, np.asarray(final, bool)
+        passed = (a[:, None] >= slots).sum(axis=0)
+        out[p, 0] = passed
+        out[p, 1] = passed + (f[:, None] & (a[:, None] == slots - 1)).sum(axis=0)
+        out[p, 2] = (a[:, None] >= slots - 1).sum(axis=0)
+        blocks[p] = a.size
+    return out, blocks
+
+
+def survival_from_counts(counts: np.ndarray, blocks: np.ndarray) -> np.ndarray:
+    """[..., K-1] survival from summed `prompt_block_counts` ([..., 3, K-1] and [...]): `censored_survival`'s
+    product-limit, its NaN and 0 where no block is at risk included, for any number of leading axes (replicates)."""
+    passed, at_risk, reached = (counts[..., c, :].astype(np.float64) for c in range(3))
+    s = np.where(blocks > 0, 1.0, np.nan)
+    out = np.empty(passed.shape)
+    for i in range(passed.shape[-1]):
+        risk = at_risk[..., i]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            step = s * (passed[..., i] / np.where(risk > 0, risk, 1.0))  # censored_survival's order of rounding
+        # none at risk: undefined where some block got this far (all censored before it), else none survives
+        s = np.where(risk > 0, step, np.where(reached[..., i] > 0, np.nan, np.where(blocks > 0, 0.0, np.nan)))
+        out[..., i] = s
+    return out
+
+
+def resampled_survival(accept_lengths, finals, k: int, draws: np.ndarray) -> np.ndarray:
+    """[R, K-1] `censored_survival` recomputed over the blocks of each row of `draws` ([R, P] prompt indices drawn
+    with replacement, `infer.intervals.resamples`): a prompt drawn twice counts its blocks twice."""
+    counts, blocks = prompt_block_counts(accept_lengths, finals, k)
+    times = np.zeros((draws.shape[0], len(blocks)), np.int64)
+    np.add.at(times, (np.arange(draws.shape[0])[:, None], draws), 1)
+    return survival_from_counts(np.einsum("rp,pcj->rcj", times, counts), times @ blocks)
+
+
+def _tau(survival: np.ndarray) -> np.ndarray:
+    """Expected committed tokens per block, 1 + sum of S_j (NaN where any S_j is)."""
+    return 1.0 + np.sum(survival, axis=-1)
+
+
+def survival_intervals(
+    accept_lengths, finals, k: int, *, replicates: int = REPLICATES, seed: int = SEED, level: float = LEVEL
+) -> dict:
+    """95% percentile bootstrap intervals over prompts of the censored survival S_1..S_{K-1} and of tau = 1 +
+    sum S_j: each replicate resamples the prompts (`infer.intervals.resamples`, the draws every interval of the
+    project uses) and recomputes the survival over the resampled prompts' blocks. Prompts, not blocks, are the
+    unit: the blocks of one reply share its text and are far from independent."""
+    n = len(accept_lengths)
+    if not n:
+        return {"survival_ci": [[math.nan, math.nan]] * (k - 1), "tau_ci": [math.nan, math.nan], "prompts": 0}
+    reps = resampled_survival(accept_lengths, finals, k, resamples(n, replicates, seed))
+    return {
+        "survival_ci": [list(_interval(reps[:, j], level)) for j in range(k - 1)],
+        "tau_ci": list(_interval(_tau(reps), level)),
+        "prompts": n,
+    }
+
+
+def gap_intervals(
+    real_lengths,
+    tf_lengths,
+    tf_finals,
+    k: int,
+    slots: int = 3,
+    *,
+    replicates: int = REPLICATES,
+    seed: int = SEED,
+    level: float = LEVEL,
+) -> dict:
+    """Paired 95% bootstrap intervals of real - teacher-forced on S_1..S_slots and tau over the same prompts (one
+    list of rounds' accept lengths per prompt for real decoding, as `teacher_forced` returns them for the other):
+    one draw of prompts serves both sides, so what a prompt does to both cancels in the difference."""
+    n = len(real_lengths)
+    if n != len(tf_lengths):
+        raise ValueError("a paired gap needs real decoding and the teacher-forced pass on the same prompts")
+    keys = [f"S_{j + 1}" for j in range(min(slots, k - 1))] + ["tau"]
+    if not n:
+        return {key: [math.nan, math.nan] for key in keys}
+    draws = resamples(n, replicates, seed)
+    real = resampled_survival(real_lengths, [[True] * len(r) for r in real_lengths], k, draws)
+    tf = resampled_survival(tf_lengths, tf_finals, k, draws)
+    diff = {f"S_{j + 1}": real[:, j] - tf[:, j] for j in range(min(slots, k - 1))}
+    diff["tau"] = _tau(real) - _tau(tf)
+    return {key: list(_interval(diff[key], level)) for key in keys}
+
+
 def _row_blocks(seq: np.ndarray, anchors: list[int], k: int):
     """Labels [N, K-1] (token a+j) of blocks at `anchors` of `seq`, and which lie inside it."""
     idx = np.asarray(anchors, np.int64)[:, None] + np.arange(1, k)[None, :]
@@ -112,11 +211,16 @@ def teacher_forced(
     rounds: list[list[int]] | None = None,
     zero_features: bool = False,
     vocab: tuple[int, ...] | None = None,
+    min_length: int = 0,
+    min_anchors: int = 0,
+    on_row: Callable[[], object] | None = None,
 ) -> dict:
     """Teacher-forced acceptance of `drafter` at block size `k` on prompt + continuation rows (the continuation:
     the target's greedy reply, `plain_tokens` of a decode report). Anchors: every continuation position, or with
     `rounds` (each row's real accept lengths) the rounds' block starts. `zero_features` and `vocab` as the
-    drafter was trained and served (`infer.proposers.DFlashProposer`).
+    drafter was trained and served (`infer.proposers.DFlashProposer`). `min_length` and `min_anchors` pad every
+    row to at least that many tokens and anchors, so that calls over different rows share one compile (padding
+    after a row changes none of its drafts); `on_row` is called after each row (a progress bar).
 
     Returns accept_lengths (per row, per block: accepted drafts + 1, as a decode report counts), final (per row,
     per block: False where censored), drafts (per row, per block: the K-1 greedy drafts), blocks, censored,
@@ -128,9 +232,10 @@ def teacher_forced(
         anchors = [every_anchors(len(p), len(c)) for p, c in zip(prompts, continuations)]
     else:
         anchors = [round_anchors(len(p), r) for p, r in zip(prompts, rounds)]
-    per_call = max(1, min(max(map(len, anchors), default=1), _LOGITS_BUDGET // ((k - 1) * lm_vocab(target, vocab))))
-    n = max(1, -(-max(map(len, anchors), default=1) // per_call)) * per_call
-    t = max(_LENGTH_STEP, -(-max(len(s) for s in seqs) // _LENGTH_STEP) * _LENGTH_STEP)
+    most = max(max(map(len, anchors), default=1), min_anchors)
+    per_call = max(1, min(most, _LOGITS_BUDGET // ((k - 1) * lm_vocab(target, vocab))))
+    n = max(1, -(-most // per_call)) * per_call
+    t = max(_LENGTH_STEP, -(-max(max(len(s) for s in seqs), min_length) // _LENGTH_STEP) * _LENGTH_STEP)
     static = dict(
         k=k,
         layer_ids=tuple(int(i) for i in drafter.config.target_layer_ids),
@@ -143,6 +248,8 @@ def teacher_forced(
         if not row:  # a reply of one token: no block to score
             for out in (lengths, finals, drafted):
                 out.append([])
+            if on_row is not None:
+                on_row()
             continue
         ids = np.zeros((1, t), np.int32)
         ids[0, : len(seq)] = seq
@@ -154,6 +261,8 @@ def teacher_forced(
         lengths.append((a + 1).tolist())
         finals.append(final.tolist())
         drafted.append(drafts.tolist())
+        if on_row is not None:
+            on_row()
     flat_a = np.asarray([x - 1 for row in lengths for x in row], np.int64)
     flat_final = np.asarray([f for row in finals for f in row], bool)
     survival = censored_survival(flat_a, flat_final, k)

@@ -1,0 +1,110 @@
+"""Two drafters' teacher-forced acceptance on the same prompts and replies, compared pairwise with intervals.
+
+  .venv/bin/python benchmarks/teacher_forced_compare.py A_DIR B_DIR [--out DIR]
+
+Each argument is an `infer.teacher_forced --out` directory (its teacher_forced.json); both must hold the same
+prompts with the same replies (run the second with `--replies A_DIR`). Per set: each drafter's tau (1 + sum of its
+censored survival: the tokens a round starting at a uniformly chosen reply position commits) and S_1..S_3, and
+A - B with a 95% paired bootstrap over prompts: one set of resampled prompts serves both drafters, so what the
+prompts share cancels. Drafters of different K are compared on tau, the committed tokens a round of each buys; what
+that round costs is the projection's business (infer/projection.py), not this script's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from dflash_model.files import atomic_write_text  # noqa: E402
+from infer.agreement import resampled_survival  # noqa: E402
+from infer.intervals import LEVEL, MIN_PROMPTS, _interval, resamples  # noqa: E402
+from infer.metrics import strict_dumps  # noqa: E402
+
+SLOTS = 3
+
+
+def load(directory: Path) -> dict:
+    path = directory / "teacher_forced.json"
+    if not path.is_file():
+        raise SystemExit(f"error: {path}: no teacher_forced.json (python -m infer.teacher_forced --out {directory})")
+    return json.loads(path.read_text())
+
+
+def _arrays(per_prompt: list[dict]):
+    return [p["accept_lengths"] for p in per_prompt], [p["final"] for p in per_prompt]
+
+
+def compare_set(a: dict, b: dict, ka: int, kb: int, name: str) -> dict:
+    """A - B on tau and S_1..S_3 for one set, paired over its prompts."""
+    pa, pb = a["per_prompt"], b["per_prompt"]
+    if [(p["id"], p["reply"]) for p in pa] != [(p["id"], p["reply"]) for p in pb]:
+        raise SystemExit(f"error: set {name}: the two runs hold different prompts or replies (use --replies)")
+    draws = resamples(len(pa))
+    sa = resampled_survival(*_arrays(pa), ka, draws)
+    sb = resampled_survival(*_arrays(pb), kb, draws)
+    out = {"prompts": len(pa), "blocks": [a["blocks"], b["blocks"]]}
+    measures = {"tau": (1 + np.sum(sa, axis=1), 1 + np.sum(sb, axis=1), a["tau"], b["tau"])}
+    for j in range(SLOTS):
+        measures[f"S_{j + 1}"] = (sa[:, j], sb[:, j], a["survival"][j], b["survival"][j])
+    for key, (ra, rb, point_a, point_b) in measures.items():
+        lo, hi = _interval(ra - rb, LEVEL)
+        resolved = len(pa) >= MIN_PROMPTS and (lo > 0 or hi < 0)
+        out[key] = {"a": point_a, "b": point_b, "difference": point_a - point_b, "low": lo, "high": hi,
+                    "resolved": bool(resolved)}  # fmt: skip
+    return out
+
+
+def table(result: dict, name_a: str, name_b: str) -> str:
+    lines = [
+        f"A = {name_a}, B = {name_b}; teacher-forced, blocks at every reply position; A - B with its 95% paired "
+        "bootstrap interval over prompts ('*': resolved, the interval excludes 0)",
+        "",
+        "| set | prompts | blocks A / B | tau A | tau B | tau A - B | S_1 A - B | S_2 A - B | S_3 A - B |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, r in result.items():
+
+        def cell(key, r=r):
+            d = r[key]
+            return f"{d['difference']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}]{'*' if d['resolved'] else ''}"
+
+        lines.append(
+            f"| {name} | {r['prompts']} | {r['blocks'][0]} / {r['blocks'][1]} | {r['tau']['a']:.3f} | "
+            f"{r['tau']['b']:.3f} | {cell('tau')} | {cell('S_1')} | {cell('S_2')} | {cell('S_3')} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("a", type=Path)
+    ap.add_argument("b", type=Path)
+    ap.add_argument("--out", type=Path, default=None, help="write comparison.md and comparison.json here")
+    args = ap.parse_args(argv)
+    a, b = load(args.a), load(args.b)
+    sets = [s for s in a["sets"] if s in b["sets"]]
+    if not sets:
+        raise SystemExit("error: the two runs share no set")
+    result = {s: compare_set(a["sets"][s], b["sets"][s], a["block_size"], b["block_size"], s) for s in sets}
+    name_a, name_b = (f"{d['draft']} at K={d['block_size']}" for d in (a, b))
+    text = table(result, name_a, name_b)
+    print(text)
+    if args.out:
+        cmd = "python benchmarks/teacher_forced_compare.py " + " ".join(shlex.quote(x) for x in (argv or sys.argv[1:]))
+        atomic_write_text(args.out / "comparison.md", f"Made by `{cmd}`.\n\n{text}\n")
+        atomic_write_text(
+            args.out / "comparison.json", strict_dumps({"command": cmd, "a": name_a, "b": name_b, "sets": result})
+        )
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,708 @@
+r"""Teacher-forced acceptance of a DFlash drafter on prompt sets: blocks at every position of the target's own greedy
+reply, scored by the drafter's training pass, with 95% bootstrap intervals over prompts.
+
+  python -m infer.teacher_forced --target smollm2|DIR|FILE.gguf --draft DIR \
+      --dataset humaneval|gsm8k|mtbench|SET,SET|hf:ORG/NAME[:SPLIT]|FILE.jsonl [--limit N] [--skip N] \
+      [--block K] [--max-new-tokens N] [--real N] [--replies FILE] --out DIR
+
+Why: real speculative decoding on a CPU scores a drafter on a few hundred rounds of a few prompts, too few to tell
+two drafters apart. Here every position of a reply is a block, all scored in one pass of the trained drafter
+(`infer.agreement.teacher_forced`), and the replies are the target's alone: decoded once, they serve any number of
+drafters (`--replies`), each paying only its own pass, so a comparison can afford many prompts. The intervals are
+over prompts, the unit whose spread they measure (a reply's blocks share its text): their width comes down with
+prompts, not with blocks.
+
+What it estimates: the acceptance a round would get if its block started at a uniformly chosen position of the
+target's own greedy reply, that reply being the text: S_j = P(at least j drafts accepted) and tau = 1 + sum S_j,
+the committed tokens of such a round. Real decoding's rounds start where the previous round ended, not uniformly;
+at those starts the same pass reproduces real decoding's accepted drafts round for round, and `--real N` measures
+both on the first N prompts of each set and reports the gap.
+
+The replies: plain greedy decoding of the target (`infer.plain`), batched, cut after a stop token and at
+--max-new-tokens. A block whose slots run past the reply and matched every known token is censored; survival is the
+product-limit over the blocks at risk (`infer.agreement.censored_survival`). Intervals: prompts resampled with
+`infer.intervals.resamples` (the project's draws), the censored survival recomputed over each resample's blocks.
+
+The prompts are held out from the ones that chose the shipped drafter's checkpoints: those were evaluated on each
+set's first 10 or 40 prompts in file order (`--prompt-style raw`) and on the first 10 or 40 of z-lab's shuffled
+order (the default style, `data.prompt_sets.subset`). `--skip N` (default 40) leaves out the first N of both orders
+and takes the next --limit items in z-lab's order, so the sample is a random one (not the file's neighbours) and
+disjoint from every `infer.eval --limit N` run with N <= --skip. A fresh seeded shuffle would not be: it would draw
+some of the prompts that were used. A JSONL or hf: set skips its first N rows. Writes DIR/teacher_forced.json and
+DIR/table.md (results of the shipped drafter: docs/results/teacher-forced/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import random
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+from data.prompt_sets import SETS, STYLES, SUBSET_SEED, Unavailable
+from dflash_model.cli import run_main
+from dflash_model.files import atomic_write_text, is_uri, local_dir, push, run_path, sha256_file
+from dflash_model.tokenizer import stop_token_ids
+from infer.agreement import (
+    censored_survival,
+    compare,
+    gap_intervals,
+    survival_intervals,
+    teacher_forced,
+)
+from infer.engine import Engine
+from infer.eval import dataset_messages, dataset_names, dataset_source, encode
+from infer.intervals import LEVEL, REPLICATES, SEED
+from infer.loading import at_least, check_prompt_ids, fit_prompts, load_draft_spec
+from infer.metrics import strict_dumps, survival, tau_pooled
+from infer.plain import bucket_length, greedy_generate
+from infer.proposers import DFlashProposer
+from infer.spec import MAX_BLOCK, check_positions
+from infer.target_spec import load_target_spec
+
+DEFAULT_SKIP = 40  # the most prompts of a set any checkpoint of the shipped drafter was chosen on (--limit 40)
+LENGTH_BUCKET = 128  # rows of prompt + reply padded to a multiple of this: one compile per bucket, little padding
+ESTIMATES = (
+    "the acceptance a speculative round would get if its block started at a uniformly chosen position of the "
+    "target's own greedy reply, that reply being the text (the drafter's training pass over prompt + reply, a block "
+    "[token a, MASK x (K-1)] at every reply position a with a next token, its leading drafts equal to the reply's "
+    "tokens accepted); not at the rounds' starts, which real decoding picks (each round starts where the last one "
+    "ended). S_j = P(at least j drafts accepted), product-limit over the blocks at risk (a block running past the "
+    "reply with every known draft right is censored); tau = 1 + sum S_j, the committed tokens of such a round"
+)
+INTERVAL_NOTE = (
+    f"95% percentile bootstrap over prompts ({REPLICATES} replicates, seed {SEED}, infer.intervals.resamples): "
+    "prompts resampled, the censored survival recomputed over the resampled prompts' blocks"
+)
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(
+        prog="python -m infer.teacher_forced",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument("--target", required=True, help="an HF model directory, a .gguf file, or 'smollm2' (required)")
+    ap.add_argument("--draft", required=True, help="a DFlash drafter directory (z-lab or speculators format; required)")
+    ap.add_argument(
+        "--dataset",
+        required=True,
+        help="a named set (" + ", ".join(SETS) + "), a comma list of them, 'zlab', hf:ORG/NAME[:SPLIT] or a .jsonl "
+        "file, as python -m infer.eval takes them; in a run of several, a set that cannot be loaded is skipped and "
+        "named (required)",
+    )
+    ap.add_argument(
+        "--limit",
+        type=at_least(1),
+        default=40,
+        help="items per set (an MT-Bench item in the zlab style is both its turns; default 40)",
+    )
+    ap.add_argument(
+        "--skip",
+        type=at_least(0),
+        default=DEFAULT_SKIP,
+        help=f"leave out each set's first N items in file order and in z-lab's shuffled order, the prompts earlier "
+        f"evals (and checkpoint choices) used; then take --limit in z-lab's order (default {DEFAULT_SKIP}; a "
+        "JSONL or hf: set: its first N rows)",
+    )
+    ap.add_argument(
+        "--prompt-style",
+        choices=list(STYLES),
+        default="zlab",
+        help="the wording of named sets, as infer.eval's (default zlab: z-lab's wording, MT-Bench's second turns "
+        "asked after the target's own greedy answers)",
+    )
+    ap.add_argument("--offline", action="store_true", help="package-shipped sets only; one only the hub has is skipped")
+    ap.add_argument(
+        "--thinking", choices=["on", "off"], default="off", help="the chat template's thinking switch (default off)"
+    )
+    ap.add_argument(
+        "--block", type=at_least(2, MAX_BLOCK), default=None, help="block size K (default: the drafter's own)"
+    )
+    ap.add_argument("--max-new-tokens", type=at_least(2), default=256, help="reply budget of the target (default 256)")
+    ap.add_argument(
+        "--batch-size",
+        type=at_least(1),
+        default=8,
+        help="replies decoded at once (default 8; one compile per prompt-length bucket)",
+    )
+    ap.add_argument(
+        "--real",
+        type=at_least(0),
+        default=0,
+        metavar="N",
+        help="also decode the first N prompts of each set speculatively (infer.engine.Engine, greedy, the same K) "
+        "and report real minus teacher-forced on them (default 0: none)",
+    )
+    ap.add_argument(
+        "--truncate-prompts",
+        action="store_true",
+        help="cut a prompt too long for the target's positions to its last tokens that fit (default: refused)",
+    )
+    ap.add_argument(
+        "--replies",
+        metavar="FILE",
+        help="reuse the target's replies of an earlier run (its teacher_forced.json or directory; the same target, "
+        "dtype, --max-new-tokens, --prompt-style and --thinking) for the prompts it has, decoding only the others: "
+        "a second drafter on the same prompts then pays only its teacher-forced pass (default: decode them all)",
+    )
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="the target's compute dtype")
+    ap.add_argument("--out", required=True, help="the directory for teacher_forced.json and table.md (required)")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
+    args = ap.parse_args(argv)
+    if not (Path(args.draft) / "config.json").is_file():
+        raise ValueError(f"--draft {args.draft!r}: not a DFlash drafter directory (no config.json in it)")
+    if not is_uri(args.out) and Path(args.out).exists() and not Path(args.out).is_dir():
+        raise ValueError(f"--out {args.out!r}: an existing file, not a directory")
+    return args
+
+
+# --- the prompts --------------------------------------------------------------------------------------------------
+
+
+def held_out_order(items: int, skip: int) -> list[int]:
+    """Item indices in z-lab's shuffled order (`data.prompt_sets.subset`: random.shuffle seeded SUBSET_SEED, whose
+    permutation depends only on the count) without the first `skip` of that order and of the file's order."""
+    order = list(range(items))
+    random.Random(SUBSET_SEED).shuffle(order)
+    used = set(range(min(skip, items))) | set(order[:skip])
+    return [i for i in order if i not in used]
+
+
+def _items(rows: list[dict]) -> list[list[dict]]:
+    """Rows grouped into items: a later turn (`earlier_turns`) belongs with the rows before it."""
+    items: list[list[dict]] = []
+    for r in rows:
+        if "earlier_turns" in r and items:
+            items[-1].append(r)
+        else:
+            items.append([r])
+    return items
+
+
+def set_rows(name: str, args) -> tuple[list[dict], dict]:
+    """The held-out rows of one set, and how they were chosen."""
+    if name in SETS:
+        items = _items(dataset_messages(name, None, style=args.prompt_style, offline=args.offline))
+        order = held_out_order(len(items), args.skip)
+        chosen = order[: args.limit]
+        rows = [r for i in chosen for r in items[i]]
+        rule = f"z-lab's order (shuffle seeded {SUBSET_SEED}) without the first {args.skip} of it and of file order"
+        info = {"items_in_set": len(items), "items_held_out": len(order), "items": chosen, "order": rule}
+    else:
+        every = dataset_messages(name, None, style=args.prompt_style, offline=args.offline)
+        rows = every[args.skip : args.skip + args.limit]
+        info = {"items_in_set": len(every), "items": list(range(args.skip, args.skip + len(rows))), "order": "file"}
+    if not rows:
+        raise ValueError(f"--dataset {name}: no prompt left after --skip {args.skip} ({info['items_in_set']} items)")
+    return rows, info
+
+
+def load_sets(args) -> tuple[dict, dict]:
+    """({set: (rows, selection)}, {set: why skipped}); in a run of several sets one that cannot be loaded here is
+    skipped, a single one is an error."""
+    names = dataset_names(args.dataset)
+    sets, skipped = {}, {}
+    for name in names:
+        try:
+            sets[name] = set_rows(name, args)
+        except Unavailable as e:
+            if len(names) == 1:
+                raise
+            print(f"skipped {e}", file=sys.stderr)
+            skipped[name] = str(e)
+    if not sets:
+        raise ValueError(f"--dataset {args.dataset}: every set was skipped: {skipped}")
+    return sets, skipped
+
+
+# --- the target's greedy replies ------------------------------------------------------------------------------------
+
+
+def greedy_replies(model, prompts, *, max_new_tokens: int, stop_ids, batch_size: int, bar=None) -> list[list[int]]:
+    """Each prompt's plain greedy reply (`infer.plain.greedy_generate`), cut after a stop token and at the budget;
+    prompts batched by length bucket, a short last batch filled with copies of its first prompt (one shape, one
+    compile per bucket; the copies' replies are dropped)."""
+    replies: list[list[int] | None] = [None] * len(prompts)
+    buckets: dict[int, list[int]] = {}
+    for i, p in enumerate(prompts):
+        buckets.setdefault(bucket_length(len(p)), []).append(i)
+    for idx in buckets.values():
+        size = min(batch_size, len(idx))
+        for start in range(0, len(idx), size):
+            chunk = idx[start : start + size]
+            rows = [prompts[i] for i in chunk]
+            out = greedy_generate(model, rows + [rows[0]] * (size - len(rows)), max_new_tokens, stop_ids)
+            for i, reply in zip(chunk, out):
+                replies[i] = reply
+            if bar is not None:
+                bar.update(len(chunk))
+    return replies
+
+
+def _conversation(turns: list[str], answers: dict[str, str]) -> list[dict]:
+    """User turns with the target's answers to all but the last between them."""
+    messages: list[dict] = []
+    for turn in turns[:-1]:
+        messages.append({"role": "user", "content": turn})
+        messages.append({"role": "assistant", "content": answers[json.dumps(messages)]})
+    return [*messages, {"role": "user", "content": turns[-1]}]
+
+
+def _chat(row: dict, answers: dict[str, str]) -> dict:
+    """A row as infer.eval's `encode` takes it, a later turn written after the earlier turns' answers."""
+    if "earlier_turns" in row:
+        return {"id": row["id"], "messages": _conversation([*row["earlier_turns"], row["text"]], answers)}
+    if "text" in row:
+        return {"id": row["id"], "messages": [{"role": "user", "content": row["text"]}]}
+    return row
+
+
+class Replier:
+    """Turns rows into (prompt ids, reply) with the target: a later turn is asked after the target's own greedy
+    answers to the earlier ones (infer.eval's `answer_earlier_turns`, here from the batched plain path, and an
+    earlier turn that is itself a row answered once)."""
+
+    def __init__(self, args, target, k: int, stop_ids, progress: bool, known: dict | None = None):
+        self.args, self.target, self.k, self.stop_ids, self.progress = args, target, k, stop_ids, progress
+        self.answers: dict[str, str] = {}
+        self.known = known or {}  # {prompt name: (prompt tokens, reply)} of an earlier run (--replies)
+        self.used: set[str] = set()  # the prompt names this run asked for
+
+    def _greedy(self, prompts: list[list[int]], names: list[str], desc: str) -> list[list[int]]:
+        """Replies of an earlier run where it has them (the same prompt, checked by its length), the rest decoded."""
+        for p, name in zip(prompts, names):
+            if name in self.known and self.known[name][0] != len(p):
+                raise ValueError(
+                    f"--replies: {name} has {len(p)} prompt tokens here and {self.known[name][0]} there (another "
+                    "tokenizer, template or --truncate-prompts)"
+                )
+        self.used.update(names)
+        todo = [i for i, name in enumerate(names) if name not in self.known]
+        decoded = []
+        if todo:
+            with tqdm(total=len(todo), desc=desc, disable=not self.progress, file=sys.stderr) as bar:
+                decoded = greedy_replies(
+                    self.target.model,
+                    [prompts[i] for i in todo],
+                    max_new_tokens=self.args.max_new_tokens,
+                    stop_ids=self.stop_ids,
+                    batch_size=self.args.batch_size,
+                    bar=bar,
+                )
+        replies = [self.known[name][1] if name in self.known else None for name in names]
+        for i, reply in zip(todo, decoded):
+            replies[i] = reply
+        return replies
+
+    def _decode(self, chats: list[dict], names: list[str], desc: str) -> tuple[list, list, dict]:
+        """(prompt ids, replies, prompts cut) of these chats; each answer kept for the turns after it."""
+        prompts = encode(chats, self.target.tokenizer, thinking=self.args.thinking == "on")
+        check_prompt_ids(prompts, self.target.config, names=names)
+        prompts, cut = fit_prompts(
+            prompts,
+            self.target.config,
+            max_new_tokens=self.args.max_new_tokens,
+            width=self.k,
+            names=names,
+            truncate=self.args.truncate_prompts,
+        )
+        replies = self._greedy(prompts, names, desc)
+        for chat, reply in zip(chats, replies):
+            if "messages" in chat and self.target.tokenizer is not None:
+                text = self.target.tokenizer.decode(reply, skip_special_tokens=True)
+                self.answers[json.dumps(chat["messages"])] = text
+        return prompts, replies, cut
+
+    def _missing_turns(self, rows: list[dict], level: int, known: set[str]) -> list[dict]:
+        """The conversations up to turn `level` + 1 that deeper rows need and no row of this level is."""
+        out: dict[str, dict] = {}
+        for r in rows:
+            turns = r.get("earlier_turns", [])
+            if len(turns) > level:
+                messages = _conversation(turns[: level + 1], self.answers)
+                key = json.dumps(messages)
+                if key not in known and key not in self.answers:
+                    out[key] = {"id": f"{r['id']}/earlier{level + 1}", "messages": messages}
+        return list(out.values())
+
+    def replies(self, sets: dict[str, list[dict]]) -> dict[str, tuple[list, list, dict]]:
+        """{set: (prompts, replies, prompts cut)}, every set's rows of one turn depth decoded together."""
+        flat = [(name, i, r) for name, rows in sets.items() for i, r in enumerate(rows)]
+        depth = max(len(r.get("earlier_turns", [])) for _, _, r in flat)
+        got: dict[tuple[str, int], tuple] = {}
+        cut: dict[str, dict] = {name: {} for name in sets}
+        for level in range(depth + 1):
+            here = [(name, i, r) for name, i, r in flat if len(r.get("earlier_turns", [])) == level]
+            chats = [_chat(r, self.answers) for _, _, r in here]
+            known = {json.dumps(c["messages"]) for c in chats if "messages" in c}
+            extra = self._missing_turns([r for _, _, r in flat], level, known)
+            names = [f"--dataset {name}: prompt {r['id']}" for name, _, r in here] + [e["id"] for e in extra]
+            prompts, replies, cut_here = self._decode(chats + extra, names, f"replies, turn {level + 1}")
+            for (name, i, _), p, reply, what in zip(here, prompts, replies, names):
+                got[name, i] = (p, reply)
+                if what in cut_here:
+                    cut[name][what] = cut_here[what]
+        return {
+            name: (
+                [got[name, i][0] for i in range(len(rows))],
+                [got[name, i][1] for i in range(len(rows))],
+                cut[name],
+            )
+            for name, rows in sets.items()
+        }
+
+
+# The settings an earlier run's replies must share with this run to stand in for its own decoding.
+REPLY_SETTINGS = ("target", "dtype", "max_new_tokens", "prompt_style", "thinking")
+
+
+def earlier_replies(path: str, about: dict) -> dict[str, tuple[int, list[int]]]:
+    """{prompt name: (prompt tokens, reply)} of an earlier run's teacher_forced.json (or its directory), refused
+    where its target, dtype, budget, wording or thinking switch differ from this run's (`about`)."""
+    file = Path(path) / "teacher_forced.json" if Path(path).is_dir() else Path(path)
+    try:
+        old = json.loads(file.read_text())
+        sets = old["sets"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"--replies {path!r}: not a teacher_forced.json of this command ({e})") from None
+    differ = [
+        f"{key} {old.get(key)!r} there, {about[key]!r} here" for key in REPLY_SETTINGS if old.get(key) != about[key]
+    ]
+    if differ:
+        raise ValueError(f"--replies {path!r}: other replies than this run would decode: " + "; ".join(differ))
+    return {
+        f"--dataset {name}: prompt {p['id']}": (p["prompt_tokens"], p["reply"])
+        for name, res in sets.items()
+        for p in res["per_prompt"]
+    }
+
+
+# --- teacher forcing and its summary -------------------------------------------------------------------------------
+
+
+def forced(target, draft, k: int, prompts, replies, *, max_new_tokens: int, rounds=None, bar=None) -> dict:
+    """`teacher_forced` over rows of any lengths: rows grouped by LENGTH_BUCKET of prompt + reply, each group padded
+    to its bucket and to the budget's anchors, so that one compile serves every group of a bucket (every set, and
+    the rounds' check). {accept_lengths, final}, one list per row in the given order."""
+    groups: dict[int, list[int]] = {}
+    for i, (p, r) in enumerate(zip(prompts, replies)):
+        groups.setdefault(-(-(len(p) + len(r)) // LENGTH_BUCKET) * LENGTH_BUCKET, []).append(i)
+    lengths: list = [None] * len(prompts)
+    finals: list = [None] * len(prompts)
+    for length, idx in sorted(groups.items()):
+        got = teacher_forced(
+            target,
+            draft.params,
+            k,
+            [prompts[i] for i in idx],
+            [replies[i] for i in idx],
+            rounds=None if rounds is None else [rounds[i] for i in idx],
+            zero_features=draft.proposer.zero_features,
+            vocab=draft.proposer.vocab,
+            min_length=length,
+            min_anchors=max_new_tokens - 1,
+            on_row=None if bar is None else lambda: bar.update(1),
+        )
+        for j, i in enumerate(idx):
+            lengths[i], finals[i] = got["accept_lengths"][j], got["final"][j]
+    return {"accept_lengths": lengths, "final": finals}
+
+
+def estimate(lengths, finals, k: int, anchors: str = "every") -> dict:
+    """`teacher_forced`'s summary of these rows: blocks, censored, survival [S_1..S_{K-1}], tau."""
+    a = np.asarray([x - 1 for row in lengths for x in row], np.int64)
+    final = np.asarray([f for row in finals for f in row], bool)
+    s = censored_survival(a, final, k)
+    return {
+        "anchors": anchors,
+        "block_size": k,
+        "blocks": int(a.size),
+        "censored": int(np.sum(~final)),
+        "survival": s,
+        "tau": 1.0 + float(np.sum(s)) if a.size else math.nan,
+    }
+
+
+def set_result(ids, prompts, replies, got, k: int, max_new_tokens: int) -> dict:
+    """One set's numbers, their intervals and its per-prompt rows."""
+    est = estimate(got["accept_lengths"], got["final"], k)
+    return {
+        **est,
+        **survival_intervals(got["accept_lengths"], got["final"], k),
+        "reply_tokens": sum(map(len, replies)),
+        "replies_at_budget": sum(len(r) == max_new_tokens for r in replies),
+        "per_prompt": [
+            {"id": i, "prompt_tokens": len(p), "reply": r, "accept_lengths": a, "final": f}
+            for i, p, r, a, f in zip(ids, prompts, replies, got["accept_lengths"], got["final"])
+        ],
+    }
+
+
+def real_decode(model, draft, k: int, prompt_sets: dict[str, list], *, max_new_tokens: int, stop_ids, progress):
+    """{set: its prompts' speculative generations}: each set one batch of as many rows as the largest, every batch
+    padded to one width (one compile), a short one filled with copies of its first prompt (their answers dropped)."""
+    engine = Engine(model, draft.proposer, draft.params, block_size=k, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
+    rows = max(len(p) for p in prompt_sets.values())
+    width = bucket_length(max(len(p) for prompts in prompt_sets.values() for p in prompts))
+    out = {}
+    for name, prompts in tqdm(prompt_sets.items(), desc="real decoding", disable=not progress, file=sys.stderr):
+        batch = prompts + [prompts[0]] * (rows - len(prompts))
+        ids = np.zeros((rows, width), np.int32)
+        for b, p in enumerate(batch):
+            ids[b, : len(p)] = p
+        lengths = jnp.asarray([len(p) for p in batch], jnp.int32)
+        out[name] = engine.results(engine.decode(engine.prefill(jnp.asarray(ids), lengths, jax.random.key(0))))
+        out[name] = out[name][: len(prompts)]
+    return out
+
+
+def rounds_equal(at_rounds: dict, real: list[list[int]]) -> int:
+    """Rounds whose teacher-forced accept length at the round's start equals real decoding's. A censored block
+    ran past the reply with every draft right: real decoding committed the reply's remaining tokens, cut there
+    (a stop token or the budget), which is the block's accepted drafts, one less than its accept length."""
+    n = 0
+    for tf_row, final_row, real_row in zip(at_rounds["accept_lengths"], at_rounds["final"], real):
+        n += sum((tf if final else tf - 1) == r for tf, final, r in zip(tf_row, final_row, real_row))
+    return int(n)
+
+
+def real_gap(model, draft, k: int, gens, prompts, replies, got, *, max_new_tokens: int, progress) -> dict:
+    """Real decoding's rounds on these prompts against the teacher-forced pass on the same prompts
+    (`infer.agreement.compare`), with a paired interval on the gap; and the pass at the rounds' own starts, which
+    reproduces real decoding's accept lengths round for round (up to float rounding)."""
+    real = [g.accept_lengths for g in gens]
+    flat = [a for row in real for a in row]
+    report = {
+        "acceptance_unconditional": survival(flat, k),
+        "tau": tau_pooled(flat),
+        "per_prompt": [{"accept_lengths": row} for row in real],
+    }
+    out = compare(estimate(got["accept_lengths"], got["final"], k), report)
+    out["gap_ci"] = gap_intervals(real, got["accept_lengths"], got["final"], k)
+    with tqdm(total=len(prompts), desc="rounds check", disable=not progress, file=sys.stderr) as bar:
+        at_rounds = forced(model, draft, k, prompts, replies, max_new_tokens=max_new_tokens, rounds=real, bar=bar)
+    out["rounds_check"] = {
+        "rounds": len(flat),
+        "rounds_equal": rounds_equal(at_rounds, real),
+        "replies_equal": sum(g.tokens == r for g, r in zip(gens, replies)),
+        "prompts": len(prompts),
+        "note": "the teacher-forced pass at real decoding's round starts (round_anchors): rounds whose committed "
+        "tokens equal real decoding's (a censored block, the last round of a reply, counted as its accepted drafts: "
+        "real decoding cuts that round at the reply's end, where the block's + 1 would fall past it); replies_equal: "
+        "speculative answers equal to the plain greedy replies (lossless)",
+    }
+    out["real_accept_lengths"] = real
+    out["teacher_forced_at_rounds"] = at_rounds["accept_lengths"]
+    return out
+
+
+# --- the report ---------------------------------------------------------------------------------------------------
+
+
+def _num(x, digits: int = 3) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+def _cell(value, ci, digits: int = 3) -> str:
+    if not ci or any(v is None or math.isnan(v) for v in ci):
+        return _num(value, digits)
+    return f"{_num(value, digits)} [{ci[0]:.{digits}f}, {ci[1]:.{digits}f}]"
+
+
+def _slots(values, n: int = 3) -> list:
+    return (list(values) + [math.nan] * n)[:n]
+
+
+def format_report(rep: dict) -> str:
+    k = rep["block_size"]
+    lines = [
+        f"teacher-forced acceptance of {rep['draft']} at K={k} on {rep['target']}: blocks at every position of the "
+        f"target's greedy reply (up to {rep['max_new_tokens']} new tokens), held-out prompts; [95% bootstrap "
+        "interval over prompts]",
+        "| set | prompts | blocks | censored | S_1 | S_2 | S_3 | tau |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, r in rep["sets"].items():
+        cis = _slots(r["survival_ci"])
+        cells = [_cell(s, ci) for s, ci in zip(_slots(r["survival"]), cis)]
+        lines.append(
+            f"| {name} | {r['prompts']} | {r['blocks']} | {r['censored']} | " + " | ".join(cells) + f" | "
+            f"{_cell(r['tau'], r['tau_ci'], 2)} |"
+        )
+    lines += [f"| {name} | - | skipped: {why} | | | | | |" for name, why in rep["skipped"].items()]
+    lines += ["", f"Estimates {rep['estimates']}.", ""]
+    real = {name: r["real"] for name, r in rep["sets"].items() if "real" in r}
+    if real:
+        lines += _real_lines(real)
+    return "\n".join(lines)
+
+
+def _real_lines(real: dict) -> list[str]:
+    first = next(iter(real.values()))
+    lines = [
+        f"real speculative decoding (infer.engine, greedy, the same K) on the first {first['rounds_check']['prompts']} "
+        "prompts of each set, against the teacher-forced pass on the same prompts; gap = real - teacher-forced "
+        "[95% paired bootstrap interval over those prompts]",
+        "| set | measure | S_1 | S_2 | S_3 | tau |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    keys = ["S_1", "S_2", "S_3", "tau"]
+    for name, cmp in real.items():
+        tf, rl, check = cmp["teacher_forced"], cmp["real"], cmp["rounds_check"]
+        lines += [
+            f"| {name} | teacher-forced, every reply position ({tf['blocks']} blocks) | "
+            + " | ".join(_num(tf.get(key, math.nan)) for key in keys)
+            + " |",
+            f"| {name} | real decoding ({rl['rounds']} rounds) | "
+            + " | ".join(_num(rl.get(key, math.nan)) for key in keys)
+            + " |",
+            f"| {name} | gap | "
+            + " | ".join(_cell(cmp["gap"].get(key, math.nan), cmp["gap_ci"].get(key)) for key in keys)
+            + " |",
+            f"| {name} | teacher-forced at the rounds' starts | {check['rounds_equal']}/{check['rounds']} rounds equal "
+            f"to real decoding's; {check['replies_equal']}/{check['prompts']} replies lossless | | | |",
+        ]
+    return lines
+
+
+def _cpu() -> str:
+    try:
+        names = [ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")]
+    except OSError:
+        names = []
+    return f"{names[0] if names else platform.processor() or platform.machine()}, {len(names) or '?'} cores"
+
+
+def _about(args, argv, target, draft, k: int) -> dict:
+    files = Path(args.draft)
+    weights = files / "model.safetensors"
+    return {
+        "command": " ".join(["python -m infer.teacher_forced", *(sys.argv[1:] if argv is None else argv)]),
+        "target": args.target,
+        "target_path": str(target.path).replace(str(Path.home()), "~"),
+        "draft": files.name,
+        "draft_weights_sha256": sha256_file(weights) if weights.is_file() else None,
+        "block_size": k,
+        "max_new_tokens": args.max_new_tokens,
+        "dataset": args.dataset,
+        "prompt_style": args.prompt_style,
+        "skip": args.skip,
+        "limit": args.limit,
+        "thinking": args.thinking,
+        "dtype": target.config.dtype,
+        "device": str(jax.devices()[0]),
+        "machine": _cpu(),
+        "estimates": ESTIMATES,
+        "interval_note": INTERVAL_NOTE,
+        "interval_level": LEVEL,
+    }
+
+
+def checked_inputs(args):
+    """(target config + tokenizer, the drafter as a Draft, K, stop ids), every size checked before the target's
+    weights load."""
+    target = load_target_spec(args.target, args.dtype, weights=False)
+    draft = load_draft_spec(args.draft, target.config, args.block)
+    if not isinstance(draft.proposer, DFlashProposer):
+        raise ValueError(f"--draft {args.draft!r}: not a DFlash drafter directory")
+    k = draft.block_size
+    check_positions(1, args.max_new_tokens, k, target.config.max_position_embeddings, "--max-new-tokens")
+    stop_ids = tuple(stop_token_ids(target.tokenizer)) if target.tokenizer is not None else ()
+    return target, draft, k, stop_ids
+
+
+def summarize(args, decoded, sets, got, k: int) -> dict:
+    """{set: its numbers}, `got` (every set's rows in order) split back into sets."""
+    results, row = {}, 0
+    for name, (prompts, replies, cut) in decoded.items():
+        mine = {key: got[key][row : row + len(prompts)] for key in got}
+        row += len(prompts)
+        results[name] = {
+            "source": dataset_source(name),
+            "prompts": len(prompts),
+            "selection": sets[name][1],
+            **set_result([r["id"] for r in sets[name][0]], prompts, replies, mine, k, args.max_new_tokens),
+            **({"truncated_prompts": cut} if cut else {}),
+        }
+    return results
+
+
+def add_real(args, model, draft, k: int, stop_ids, decoded, results, progress: bool) -> None:
+    """--real: each set's first N prompts decoded speculatively, the gap written into its result."""
+    n = {name: min(args.real, len(prompts)) for name, (prompts, _, _) in decoded.items()}
+    gens = real_decode(
+        model,
+        draft,
+        k,
+        {name: prompts[: n[name]] for name, (prompts, _, _) in decoded.items()},
+        max_new_tokens=args.max_new_tokens,
+        stop_ids=stop_ids,
+        progress=progress,
+    )
+    for name, (prompts, replies, _) in decoded.items():
+        per = results[name]["per_prompt"][: n[name]]
+        got = {"accept_lengths": [p["accept_lengths"] for p in per], "final": [p["final"] for p in per]}
+        results[name]["real"] = real_gap(
+            model,
+            draft,
+            k,
+            gens[name],
+            prompts[: n[name]],
+            replies[: n[name]],
+            got,
+            max_new_tokens=args.max_new_tokens,
+            progress=progress,
+        )
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    started = time.perf_counter()
+    target, draft, k, stop_ids = checked_inputs(args)
+    about = _about(args, argv, target, draft, k)
+    known = earlier_replies(args.replies, about) if args.replies else {}
+    sets, skipped = load_sets(args)
+    out = local_dir(args.out)
+    target.load_weights()
+    progress = not args.no_progress
+    timing = {}
+    t = time.perf_counter()
+    replier = Replier(args, target, k, stop_ids, progress, known)
+    decoded = replier.replies({name: rows for name, (rows, _) in sets.items()})
+    timing["replies_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    prompts = [p for ps, _, _ in decoded.values() for p in ps]
+    replies = [r for _, rs, _ in decoded.values() for r in rs]
+    with tqdm(total=len(prompts), desc="teacher-forced", disable=not progress, file=sys.stderr) as bar:
+        got = forced(target.model, draft, k, prompts, replies, max_new_tokens=args.max_new_tokens, bar=bar)
+    timing["teacher_forced_s"] = time.perf_counter() - t
+    results = summarize(args, decoded, sets, got, k)
+    if args.real:
+        t = time.perf_counter()
+        add_real(args, target.model, draft, k, stop_ids, decoded, results, progress)
+        timing["real_s"] = time.perf_counter() - t
+    timing["total_s"] = time.perf_counter() - started
+    reused = {"replies_from": args.replies, "replies_reused": len(set(known) & replier.used)} if args.replies else {}
+    rep = {**about, **reused, "timing_s": timing, "sets": results, "skipped": skipped}
+    table = format_report(rep)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out / "teacher_forced.json", strict_dumps(rep, indent=1) + "\n")
+    atomic_write_text(out / "table.md", table + "\n")
+    print(table)
+    push(args.out)
+    print(f"wrote {run_path(args.out, 'teacher_forced.json')} and table.md")
+    return rep
+
+
+if __name__ == "__main__":
+    run_main(main)
