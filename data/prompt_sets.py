@@ -258,3 +258,42 @@ def hf_prompts(spec: str, limit: int | None = None) -> list[dict]:
         r = ds[i]
         out.append({"id": str(r.get("id", f"{local.name}/{i}")), **parse_row(r, f"hf:{spec} row {i}")})
     return out
+
+
+# --- held-out prompts: past the ones that chose a checkpoint ----------------------------------------------------------
+
+
+def held_out_order(items: int, skip: int) -> list[int]:
+    """Item indices in z-lab's shuffled order (`subset`: random.shuffle seeded SUBSET_SEED, whose permutation
+    depends only on the count) without the first `skip` of that order and of the file's order: disjoint from every
+    `--limit N` selection with N <= skip in either prompt style."""
+    order = list(range(items))
+    random.Random(SUBSET_SEED).shuffle(order)
+    used = set(range(min(skip, items))) | set(order[:skip])
+    return [i for i in order if i not in used]
+
+
+def group_items(rows: list[dict]) -> list[list[dict]]:
+    """Rows grouped into items: a later turn (`earlier_turns`) belongs with the rows before it."""
+    items: list[list[dict]] = []
+    for r in rows:
+        if "earlier_turns" in r and items:
+            items[-1].append(r)
+        else:
+            items.append([r])
+    return items
+
+
+def held_out(rows: list[dict], named: bool, skip: int, limit: int | None) -> tuple[list[dict], dict]:
+    """The rows of up to `limit` items past the first `skip` (a named set: in `held_out_order`, so a random sample
+    disjoint from both styles' first `skip`; a file: its rows after the first `skip`), and how they were chosen."""
+    if named:
+        items = group_items(rows)
+        order = held_out_order(len(items), skip)
+        chosen = order[:limit] if limit is not None else order
+        out = [r for i in chosen for r in items[i]]
+        rule = f"z-lab's order (shuffle seeded {SUBSET_SEED}) without the first {skip} of it and of file order"
+        return out, {"items_in_set": len(items), "items_held_out": len(order), "items": chosen, "order": rule}
+    end = None if limit is None else skip + limit
+    out = rows[skip:end]
+    return out, {"items_in_set": len(rows), "items": list(range(skip, skip + len(out))), "order": "file"}

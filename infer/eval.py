@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from data.prompt_sets import SETS, STYLES, ZLAB, Unavailable, hf_prompts, jsonl_prompts, named_prompts
+from data.prompt_sets import SETS, STYLES, ZLAB, Unavailable, held_out, hf_prompts, jsonl_prompts, named_prompts
 from dflash_model.cli import run_main
 from dflash_model.files import atomic_write_text, local_dir, push, run_path, sha256_file
 from dflash_model.tokenizer import chat_prompt_ids, stop_token_ids
@@ -759,6 +759,15 @@ def parse_args(argv=None):
         "chat list) or input_ids / token_ids (raw ids, no template)); every text prompt is chat-templated (required)",
     )
     ap.add_argument(
+        "--skip",
+        type=at_least(0),
+        default=0,
+        help="leave out the prompts that chose a checkpoint: a named set drops the first N items of both its file "
+        "order and z-lab's shuffled order and takes --limit items in z-lab's order (the held-out rule of "
+        "python -m infer.teacher_forced; 40 holds out every prompt the shipped drafter was chosen on); a file drops "
+        "its first N rows (default 0)",
+    )
+    ap.add_argument(
         "--limit",
         type=at_least(1),
         default=None,
@@ -966,7 +975,11 @@ def checked_inputs(args):
     for name in names:
         try:
             limit = _set_limit(args, name, len(names) > 1)
-            rows = dataset_messages(name, limit, style=args.prompt_style, offline=args.offline)
+            if args.skip:
+                every = dataset_messages(name, None, style=args.prompt_style, offline=args.offline)
+                rows, _ = held_out(every, name in SETS, args.skip, limit)
+            else:
+                rows = dataset_messages(name, limit, style=args.prompt_style, offline=args.offline)
         except Unavailable as e:
             if len(names) == 1:
                 raise

@@ -38,7 +38,6 @@ import argparse
 import json
 import math
 import platform
-import random
 import sys
 import time
 from pathlib import Path
@@ -48,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from data.prompt_sets import SETS, STYLES, SUBSET_SEED, Unavailable
+from data.prompt_sets import SETS, STYLES, Unavailable, held_out
 from dflash_model.cli import run_main
 from dflash_model.files import atomic_write_text, is_uri, local_dir, push, run_path, sha256_file
 from dflash_model.tokenizer import stop_token_ids
@@ -169,39 +168,10 @@ def parse_args(argv=None):
 # --- the prompts --------------------------------------------------------------------------------------------------
 
 
-def held_out_order(items: int, skip: int) -> list[int]:
-    """Item indices in z-lab's shuffled order (`data.prompt_sets.subset`: random.shuffle seeded SUBSET_SEED, whose
-    permutation depends only on the count) without the first `skip` of that order and of the file's order."""
-    order = list(range(items))
-    random.Random(SUBSET_SEED).shuffle(order)
-    used = set(range(min(skip, items))) | set(order[:skip])
-    return [i for i in order if i not in used]
-
-
-def _items(rows: list[dict]) -> list[list[dict]]:
-    """Rows grouped into items: a later turn (`earlier_turns`) belongs with the rows before it."""
-    items: list[list[dict]] = []
-    for r in rows:
-        if "earlier_turns" in r and items:
-            items[-1].append(r)
-        else:
-            items.append([r])
-    return items
-
-
 def set_rows(name: str, args) -> tuple[list[dict], dict]:
-    """The held-out rows of one set, and how they were chosen."""
-    if name in SETS:
-        items = _items(dataset_messages(name, None, style=args.prompt_style, offline=args.offline))
-        order = held_out_order(len(items), args.skip)
-        chosen = order[: args.limit]
-        rows = [r for i in chosen for r in items[i]]
-        rule = f"z-lab's order (shuffle seeded {SUBSET_SEED}) without the first {args.skip} of it and of file order"
-        info = {"items_in_set": len(items), "items_held_out": len(order), "items": chosen, "order": rule}
-    else:
-        every = dataset_messages(name, None, style=args.prompt_style, offline=args.offline)
-        rows = every[args.skip : args.skip + args.limit]
-        info = {"items_in_set": len(every), "items": list(range(args.skip, args.skip + len(rows))), "order": "file"}
+    """The held-out rows of one set, and how they were chosen (`data.prompt_sets.held_out`)."""
+    every = dataset_messages(name, None, style=args.prompt_style, offline=args.offline)
+    rows, info = held_out(every, name in SETS, args.skip, args.limit)
     if not rows:
         raise ValueError(f"--dataset {name}: no prompt left after --skip {args.skip} ({info['items_in_set']} items)")
     return rows, info

@@ -47,6 +47,19 @@ def test_a_limit_takes_zlabs_shuffled_subset():
     assert len(ps.named_prompts("humaneval", 500)) == 164  # a limit over the set's size takes it all, unshuffled
 
 
+def test_held_out_prompts_never_include_the_first_of_either_order():
+    """--skip 40 (infer.eval, infer.teacher_forced): none of the prompts any `--limit 40` run saw, in either style."""
+    for name in ("humaneval", "mtbench"):
+        every = ps.named_prompts(name, None, style="raw")
+        rows, info = ps.held_out(every, True, 40, 20)
+        seen = {r["id"] for style in ("raw", "zlab") for r in ps.named_prompts(name, 40, style=style)}
+        assert rows and not {r["id"] for r in rows} & seen, name
+        assert len(ps.group_items(rows)) == min(20, info["items_held_out"])
+    # MT-Bench: 80 items, 60 of them among the first 40 of one order or the other.
+    rows, info = ps.held_out(ps.named_prompts("mtbench", None, style="raw"), True, 40, None)
+    assert info["items_held_out"] == 20 and len(ps.group_items(rows)) == 20
+
+
 def test_a_hub_only_set_is_unavailable_offline():
     for name in ("math500", "mbpp", "alpaca"):
         with pytest.raises(ps.Unavailable, match=rf"{name}: online only \(.* on the HF hub; no package ships it\)"):

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from conftest import FIXTURES, REPO
 
+from data import prompt_sets
 from data.prompt_sets import SUBSET_SEED
 from dflash_model.drafter import build_drafter, drafter_config_for
 from dflash_model.drafter_weights import export_drafter
@@ -81,15 +82,19 @@ def test_intervals_hold_the_estimate_and_pair_the_gap():
 def test_held_out_prompts_skip_the_first_of_both_orders():
     order = list(range(80))
     random.Random(SUBSET_SEED).shuffle(order)
-    held = tf_cli.held_out_order(80, 40)
+    held = prompt_sets.held_out_order(80, 40)
     assert not set(held) & (set(range(40)) | set(order[:40]))
     assert held == [i for i in order if i in set(held)]  # z-lab's order kept
     assert len(held) == 80 - len(set(range(40)) | set(order[:40]))
     five = list(range(5))
     random.Random(SUBSET_SEED).shuffle(five)
-    assert tf_cli.held_out_order(5, 0) == five  # --skip 0: z-lab's own subset
+    assert prompt_sets.held_out_order(5, 0) == five  # --skip 0: z-lab's own subset
     rows = [{"id": "a", "text": "1"}, {"id": "a/turn2", "text": "2", "earlier_turns": ["1"]}, {"id": "b", "text": "3"}]
-    assert [[r["id"] for r in item] for item in tf_cli._items(rows)] == [["a", "a/turn2"], ["b"]]
+    assert [[r["id"] for r in item] for item in prompt_sets.group_items(rows)] == [["a", "a/turn2"], ["b"]]
+    # Named sets keep items whole; a file's rows are taken after the first `skip`.
+    picked, info = prompt_sets.held_out(rows, True, 0, 1)
+    assert [r["id"] for r in picked] in (["a", "a/turn2"], ["b"]) and info["items_in_set"] == 2
+    assert prompt_sets.held_out(rows, False, 1, 5)[0] == rows[1:]
 
 
 # --- the CLI on the tiny target -----------------------------------------------------------------------------------
