@@ -6,8 +6,10 @@ Each argument is an `infer.teacher_forced --out` directory (its teacher_forced.j
 prompts with the same replies (run the second with `--replies A_DIR`). Per set: each drafter's tau (1 + sum of its
 censored survival: the tokens a round starting at a uniformly chosen reply position commits) and S_1..S_3, and
 A - B with a 95% paired bootstrap over prompts: one set of resampled prompts serves both drafters, so what the
-prompts share cancels. Drafters of different K are compared on tau, the committed tokens a round of each buys; what
-that round costs is the projection's business (infer/projection.py), not this script's.
+prompts share cancels. A slot past which every block ran off its reply has no survival estimate; tau counts it as
+0 (a lower bound, reached only by wide blocks near a reply's end). Drafters of different K are compared on tau,
+the committed tokens a round of each buys; what that round costs is the projection's business
+(infer/projection.py), not this script's.
 """
 
 from __future__ import annotations
@@ -42,6 +44,11 @@ def _arrays(per_prompt: list[dict]):
     return [p["accept_lengths"] for p in per_prompt], [p["final"] for p in per_prompt]
 
 
+def _tau(result: dict) -> float:
+    """1 + the sum of a set's survival, a slot with no estimate (None in the JSON) counted as 0."""
+    return 1.0 + sum(x for x in result["survival"] if x is not None)
+
+
 def compare_set(a: dict, b: dict, ka: int, kb: int, name: str) -> dict:
     """A - B on tau and S_1..S_3 for one set, paired over its prompts."""
     pa, pb = a["per_prompt"], b["per_prompt"]
@@ -51,7 +58,9 @@ def compare_set(a: dict, b: dict, ka: int, kb: int, name: str) -> dict:
     sa = resampled_survival(*_arrays(pa), ka, draws)
     sb = resampled_survival(*_arrays(pb), kb, draws)
     out = {"prompts": len(pa), "blocks": [a["blocks"], b["blocks"]]}
-    measures = {"tau": (1 + np.sum(sa, axis=1), 1 + np.sum(sb, axis=1), a["tau"], b["tau"])}
+    # A deep slot where every block that got there ran past the reply (censored) has no survival estimate; tau
+    # counts it as 0 there, a lower bound (the slots it drops are the rarest: K=64 blocks near a reply's end).
+    measures = {"tau": (1 + np.nansum(sa, axis=1), 1 + np.nansum(sb, axis=1), _tau(a), _tau(b))}
     for j in range(SLOTS):
         measures[f"S_{j + 1}"] = (sa[:, j], sb[:, j], a["survival"][j], b["survival"][j])
     for key, (ra, rb, point_a, point_b) in measures.items():

@@ -127,8 +127,9 @@ def sample_tokens(target, seeds=SEEDS, adaptive=False, tree_nodes=None, proposer
     for seed in seeds:
         for g in engine.generate([PROMPT] * ROWS, seed=seed):
             toks.append(g.tokens)
-            accepted += [a - 1 for a in g.accept_lengths]
-            chains.append((g.accept_lengths[0] - 1, g.proposals[0][0]))  # round 1: accepted drafts, draft 1
+            # Accepted drafts before the cut at the 3-token budget: what the acceptance rule decided.
+            accepted += [a - 1 for a in g.accept_lengths_uncut]
+            chains.append((g.accept_lengths_uncut[0] - 1, g.proposals[0][0]))  # round 1: accepted drafts, draft 1
             verified.update(g.verify_widths)
     if widths:
         return np.asarray(toks), np.asarray(accepted), np.asarray(chains), verified
