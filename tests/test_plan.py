@@ -35,7 +35,8 @@ def test_8b_presets_on_8_devices(config, target_preset, block):
     """Every parameter is split 8 ways (FSDP), Adam's state is twice the drafter's, the batch is split over the
     devices, and the verdict is the one the total gives (at 4 sequences of 3072 tokens a device, the paper's 512
     anchors fit a v5p chip at K=16 for Qwen3-8B, 88%, and at K=64 for neither)."""
-    p = plan(load_config(config, [f"block_size={block}"]), parse_pod("8:95"))
+    # num_anchors=512 overrides the presets' `blocks: 64` entry (128 anchors): this checks the paper's 512.
+    p = plan(load_config(config, [f"block_size={block}", "num_anchors=512"]), parse_pod("8:95"))
     mem = p["bytes_per_device"]
     assert mem["target_params"] == pytest.approx(preset(target_preset).num_params() * 2 / 8, rel=1e-3)  # bf16
     assert mem["optimizer"] == pytest.approx(2 * mem["drafter_params"], rel=1e-3)
