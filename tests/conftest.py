@@ -26,9 +26,9 @@ def tiny_config(family: str, **changes):
 
 
 def tiny_target(family: str, seed: int = 0, **changes):
-    from dflash_model.target import build_target, randomize
+    from dflash_model.target import random_target
 
-    return randomize(build_target(tiny_config(family, **changes)), seed=seed)
+    return random_target(tiny_config(family, **changes), seed=seed)
 
 
 @pytest.fixture(scope="session")

@@ -20,7 +20,7 @@ from dflash_model.config import preset
 from dflash_model.drafter import check_pairing, drafter_config_for, drafter_preset
 from dflash_model.drafter_weights import export_config
 from dflash_model.speculators_format import VERIFIER_ARCHITECTURES
-from dflash_model.target import build_target, config_of, is_maxtext, randomize
+from dflash_model.target import config_of, is_maxtext, random_target
 from dflash_model.tokenizer import load_tokenizer
 from dflash_model.weights import load_target
 from train.batches import build_train_dataset
@@ -144,11 +144,8 @@ def load_target_model(cfg, mesh=None):
         _, model = load_target(path, dtype=t.dtype, mesh=mesh)  # sharded as it loads: no single-device copy
         return model, Path(path)
     tcfg = preset(t.preset).replace(**dict(t.arch), dtype=t.dtype)
-    # Random targets are for shapes, throughput and tests. Built abstract (Tunix's initialisers would compile a
-    # few dozen jitted functions only to be overwritten), then filled by randomize(), which also avoids the
-    # all-zero MLPs Tunix starts from.
-    model = nnx.eval_shape(lambda: build_target(tcfg, seed=int(cfg.seed)))
-    return randomize(model, seed=int(cfg.seed)), None
+    # Random targets are for shapes, throughput and tests: drawn on the mesh, each device its own shard.
+    return random_target(tcfg, seed=int(cfg.seed), mesh=mesh), None
 
 
 def drafter_config(cfg, target_cfg):
