@@ -15,6 +15,8 @@ import shlex
 import sys
 from pathlib import Path
 
+from dflash_model.files import atomic_write_text, check_out_dir
+
 
 def load_reports(directory: Path) -> dict:
     path = directory / "eval.json"
@@ -65,21 +67,25 @@ def summarize(directories: list[Path], baseline: str) -> tuple[str, dict]:
     return "\n".join(lines) + "\n", out
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("dirs", nargs="+", type=Path, help="infer.eval --out directories")
     ap.add_argument("--baseline", default="ngram", help="the decoder the best one is compared with")
     ap.add_argument("--out", type=Path, default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.out:
+        check_out_dir(args.out, "--out")
     table, data = summarize(args.dirs, args.baseline)
     print(table, end="")
     if args.out:
         cmd = "python " + " ".join(shlex.quote(a) for a in sys.argv)
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "summary.md").write_text(f"Made by `{cmd}`.\n\n{table}")
-        (args.out / "summary.json").write_text(json.dumps({"command": cmd} | data, indent=1) + "\n")
+        atomic_write_text(args.out / "summary.md", f"Made by `{cmd}`.\n\n{table}")
+        atomic_write_text(args.out / "summary.json", json.dumps({"command": cmd} | data, indent=1) + "\n")
         print(f"wrote {args.out}/summary.md and summary.json")
 
 
 if __name__ == "__main__":
-    main()
+    from dflash_model.cli import run_main
+
+    run_main(main)

@@ -31,6 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
+from dflash_model.files import atomic_write_text, check_out_file
+
 ROOT = Path(__file__).resolve().parents[1]
 DEV = {"gsm8k": (200, 264), "humaneval": (100, 164), "mtbench": (40, 80)}
 # Verify cost (ms) by width on the 2-core AVX-512 EPYC (docs/results/decoding/cache-write/, fixed-width rounds).
@@ -275,6 +277,9 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--sizes", type=int, nargs="+", default=[3, 5, 7, 9, 11, 15], help="tree sizes for --prior-out")
     args = ap.parse_args(argv)
+    if args.out:
+        check_out_file(args.out, "--out")
+    check_out_file(args.outputs, "--outputs")
     if not args.outputs.is_file():
         generate_outputs(args.outputs, args.max_new_tokens)
     rows = [json.loads(line) for line in open(args.outputs)]
@@ -306,9 +311,13 @@ def main(argv=None) -> int:
         write_prior(args, rows, replies, weights)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"costs_ms": COSTS, "calibration": calibration, "simulated": table}, indent=1))
+        atomic_write_text(
+            args.out, json.dumps({"costs_ms": COSTS, "calibration": calibration, "simulated": table}, indent=1)
+        )
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from dflash_model.cli import run_main
+
+    raise SystemExit(run_main(main))

@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from dflash_model.files import atomic_write_text  # noqa: E402
+from dflash_model.files import atomic_write_text, check_out_dir  # noqa: E402
 from infer.intervals import comparisons, decoder_intervals, format_comparisons  # noqa: E402
 from infer.metrics import strict_dumps, survival, tau_per_prompt, tau_pooled  # noqa: E402
 from infer.projection import load_profiles, project, prompt_costs  # noqa: E402
@@ -116,6 +116,8 @@ def main(argv=None) -> None:
     ap.add_argument("--profile", default="tpu-v5p", help="the profile whose projected speedup is compared")
     ap.add_argument("--out", type=Path, default=None, help="write table.md and recount.json here")
     args = ap.parse_args(argv)
+    if args.out:
+        check_out_dir(args.out, "--out")
     pairs = [tuple(p.split(",", 1)) for p in args.pair]
     profiles = load_profiles()
     results, compared = {}, {}
@@ -146,4 +148,6 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from dflash_model.cli import run_main
+
+    run_main(main)

@@ -25,7 +25,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from dflash_model.files import atomic_write_text  # noqa: E402
+from dflash_model.files import atomic_write_text, check_out_dir  # noqa: E402
 from infer.agreement import resampled_survival  # noqa: E402
 from infer.intervals import LEVEL, MIN_PROMPTS, _interval, resamples  # noqa: E402
 from infer.metrics import strict_dumps  # noqa: E402
@@ -98,6 +98,8 @@ def main(argv=None) -> dict:
     ap.add_argument("b", type=Path)
     ap.add_argument("--out", type=Path, default=None, help="write comparison.md and comparison.json here")
     args = ap.parse_args(argv)
+    if args.out:
+        check_out_dir(args.out, "--out")
     a, b = load(args.a), load(args.b)
     sets = [s for s in a["sets"] if s in b["sets"]]
     if not sets:
@@ -116,4 +118,6 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    from dflash_model.cli import run_main
+
+    run_main(main)

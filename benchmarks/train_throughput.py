@@ -37,6 +37,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from dflash_model.files import atomic_write_text, check_out_file
+
 # Each lever alone, then the combination the SmolLM2 config uses. Overrides are applied after the shared ones.
 VARIANTS = {
     "baseline": [],
@@ -350,6 +352,9 @@ def main(argv=None) -> dict:
         return {}
     if args.data is None:
         ap.error("--data is required (or --compare BEFORE.json AFTER.json)")
+    if args.steps < 2:
+        ap.error(f"--steps must be at least 2 (the first compiles), got {args.steps}")
+    check_out_file(args.out, "--out")
     from dflash_model.cli import add_xla_flags
     from train.config import load_config
 
@@ -380,11 +385,12 @@ def main(argv=None) -> dict:
         "rows": rows,
         "table": table,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     # No path of this machine in a committed result: the home directory reads as ~.
-    Path(args.out).write_text(json.dumps(rep, indent=1).replace(str(Path.home()), "~"))
+    atomic_write_text(args.out, json.dumps(rep, indent=1).replace(str(Path.home()), "~"))
     return rep
 
 
 if __name__ == "__main__":
-    main()
+    from dflash_model.cli import run_main
+
+    run_main(main)

@@ -13,8 +13,9 @@ With --target (smollm2, an HF directory or a .gguf) the real model is timed the 
 instead: `Engine.calibrate` at each context, every width in one jitted fori_loop with the cache carried in place
 (no per-call dispatch or cache copy; what an adaptive engine chooses from). Context c = a prompt of c tokens,
 decoding --max-new-tokens after it (the cache's capacity, which attention spans, is c + max_new + max K).
-Presets other than `tiny` need --random: their weights are Tunix's initialisation (values do not change dense
-compute time), in the preset's dtype (bf16 for the Qwen3 and Llama presets).
+Presets other than `tiny` need --random: their weights are random (`dflash_model.target.random_target`, drawn on
+the device in seconds; values do not change dense compute time), in the preset's dtype (bf16 for the Qwen3 and
+Llama presets).
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ import jax
 import jax.numpy as jnp
 
 from dflash_model.config import PRESETS, TINY_PRESETS, TargetConfig
-from dflash_model.target import KVCache, build_target, config_of, forward
+from dflash_model.files import check_out_file
+from dflash_model.target import KVCache, config_of, forward, random_target
 
 # The test suite's tiny Qwen3 shape: dispatch and per-op overheads dominate, the opposite extreme of a real model.
 TINY = TINY_PRESETS["qwen3"]
@@ -115,6 +117,7 @@ def parse_args(argv=None):
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", default="runs/verify_cost.json")
     args = ap.parse_args(argv)
+    check_out_file(args.out, "--out")
     if args.preset != "tiny" and not args.random and not args.target:
         ap.error("real-size presets run with random weights only: pass --random")
     return args
@@ -127,7 +130,7 @@ def main(argv=None) -> dict:
     cfg = TINY if args.preset == "tiny" else PRESETS[args.preset]
     if args.dtype:
         cfg = cfg.replace(dtype=args.dtype)
-    model = build_target(cfg, seed=0)
+    model = random_target(cfg, seed=0)
     ks = [int(x) for x in args.ks.split(",")]
     contexts = [int(x) for x in args.contexts.split(",")]
     points = [time_point(model, cfg, k, c, args.reps, args.batch) for c in contexts for k in ks]
@@ -207,4 +210,6 @@ def main_in_loop(args) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    from dflash_model.cli import run_main
+
+    run_main(main)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import statistics
 import subprocess
 import sys
@@ -32,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from dflash_model.files import atomic_write_text  # noqa: E402
+from dflash_model.files import atomic_write_text, claim_dir  # noqa: E402
 from train.objective import default_gamma  # noqa: E402
 
 SHIPPED = "drafters/smollm2-135m-dflash"
@@ -47,9 +48,40 @@ REPLIES = {  # committed target replies (greedy, SmolLM2-135M-Instruct): file, l
 }
 
 
+ARM = re.compile(r"(ft|scratch)([1-9][0-9]*)(s[0-9]+)?")
+
+
 def arm_k(arm: str) -> int:
     """K_train of an arm name: ftK, scratchK, or either with a seed suffix sN (ft16s1: K=16, seed 1)."""
     return int(arm.removeprefix("ft").removeprefix("scratch").partition("s")[0])
+
+
+def check_arms(value: str) -> list[str]:
+    """--arms as a list: every name ftK / scratchK[sN] with K >= 2, none twice."""
+    arms = [a for a in value.split(",") if a]
+    for arm in arms:
+        if not ARM.fullmatch(arm) or arm_k(arm) < 2:
+            raise ValueError(f"--arms: {arm!r} is not ftK or scratchK with K >= 2, optionally sN (e.g. ft16s1)")
+    repeated = sorted({a for a in arms if arms.count(a) > 1})
+    if repeated or not arms:
+        raise ValueError(f"--arms {value!r}: " + (f"{', '.join(repeated)} named twice" if repeated else "no arm"))
+    return arms
+
+
+def read_result(path: Path) -> dict | None:
+    """A result JSON written by an earlier run of the study, or None where there is none. A damaged one (a run killed
+    mid-write by an older writer, a disk that filled) is named, moved aside to PATH.damaged and recomputed."""
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict):
+            raise ValueError(f"a JSON {type(data).__name__}, not an object")
+        return data
+    except (ValueError, UnicodeDecodeError) as e:
+        print(f"{path}: damaged ({type(e).__name__}: {e}); moved to {path.name}.damaged and recomputed", flush=True)
+        path.replace(path.with_name(path.name + ".damaged"))
+        return None
 
 
 def arm_seed(arm: str) -> int:
@@ -184,7 +216,8 @@ def eval_set(spec: str, arms: list[dict], k_infer: list[str], args, out: Path) -
     shipped drafter, n-gram."""
     name, _, tokens = spec.partition(":")
     dest = out / f"eval-{name}"
-    if not (dest / "eval.json").exists():
+    done = read_result(dest / "eval.json")
+    if done is None:
         drafts = [f"shipped@{k}={SHIPPED}@{k}" for k in widths(k_infer, 16)]
         drafts += [f"{a['arm']}@{k}={a['export']}@{k}" for a in arms for k in widths(k_infer, a["k_train"])]
         # --prompt-style raw: the sets' first items as written, the prompts of the study's committed results
@@ -192,7 +225,12 @@ def eval_set(spec: str, arms: list[dict], k_infer: list[str], args, out: Path) -
                "--limit", str(args.limit), "--max-new-tokens", tokens or str(args.max_new_tokens), "--out", str(dest),
                "--no-progress", "--draft", "ngram@16", *(x for d in drafts for x in ("--draft", d))]  # fmt: skip
         run(cmd, out / f"eval-{name}.log")
-    return json.loads((dest / "eval.json").read_text())
+        done = read_result(dest / "eval.json")
+        if done is None:
+            raise SystemExit(
+                f"error: infer.eval wrote no readable {dest / 'eval.json'}; see {out / f'eval-{name}.log'}"
+            )
+    return done
 
 
 def _cell(rep: dict) -> dict:
@@ -303,8 +341,37 @@ def main(argv=None) -> dict:
     )
     ap.add_argument("--lr", type=float, default=FT_LR, help=f"every fine-tuned arm's learning rate ({FT_LR})")
     args = ap.parse_args(argv)
+    check_args(ap, args)
     out, runs = ROOT / args.out, ROOT / args.runs
-    out.mkdir(parents=True, exist_ok=True)
+    # Both places locked before any work: a second study there would train into the same run directories.
+    locks = [claim_dir(out, key="--out", doing="written by a study", name=".study.lock")]
+    try:
+        locks.append(claim_dir(runs, key="--runs", doing="used by a study", name=".study.lock"))
+        return _study(args, out, runs)
+    finally:
+        for lock in locks:
+            lock.release()
+
+
+def check_args(ap, args) -> None:
+    """Values that cannot work, refused before any work (argparse checked the types)."""
+    for flag, value in (("--limit", args.limit), ("--max-new-tokens", args.max_new_tokens), ("--steps", args.steps),
+                        ("--positions", args.positions)):  # fmt: skip
+        if value is not None and value < 1:
+            ap.error(f"{flag} must be at least 1, got {value}")
+    for flag, value in (("--train-minutes", args.train_minutes), ("--lr", args.lr)):
+        if not (math.isfinite(value) and value > 0):
+            ap.error(f"{flag} must be a positive number, got {value}")
+    try:
+        check_arms(args.arms)
+        ks = [k for k in args.k_infer.split(",") if k]
+        if not ks or any(k != "own" and not (k.isdigit() and int(k) >= 1) for k in ks) or len(set(ks)) < len(ks):
+            raise ValueError(f"--k-infer {args.k_infer!r}: distinct K >= 1 or `own`, comma-separated")
+    except ValueError as e:
+        ap.error(str(e))
+
+
+def _study(args, out: Path, runs: Path) -> dict:
     k_infer = args.k_infer.split(",")
     data = mix(runs)
     if args.positions is not None:
@@ -313,7 +380,7 @@ def main(argv=None) -> dict:
         budget = {"steps": args.steps}
     else:
         budget = {"seconds": args.train_minutes * 60}
-    arms = [train_arm(a, data, runs, budget, out, args.lr) for a in args.arms.split(",")]
+    arms = [train_arm(a, data, runs, budget, out, args.lr) for a in check_arms(args.arms)]
     evals = {s.partition(":")[0]: eval_set(s, arms, k_infer, args, out) for s in args.sets.split(",")}
     mats = matrices(evals)
     study = {"settings": vars(args), "positions_per_step": POSITIONS_PER_STEP, "arms": arms, "matrices": mats}
@@ -326,4 +393,6 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    from dflash_model.cli import run_main
+
+    run_main(main)

@@ -136,10 +136,33 @@ def set_rows(name: str, offline: bool = False) -> tuple[list[dict], str]:
     import datasets
 
     try:
+        check_hub_reachable(ps.hub_name)
         ds = datasets.load_dataset(*ps.hub, split=ps.split)
     except Exception as e:  # no network, no such dataset, a hub error: the set is left out, said why
         raise Unavailable(f"{name}: online only, and {ps.hub_name} could not be loaded: {type(e).__name__}: {e}") from e
     return [dict(r) for r in ds], f"HF hub {ps.hub_name}"
+
+
+HUB_PROBE_S = 5.0  # the hub answers a TCP connect in well under a second where it can be reached at all
+
+
+def check_hub_reachable(what: str) -> None:
+    """Unavailable within HUB_PROBE_S where the HF hub's host takes no connection: `datasets` would retry for half a
+    minute before its ConnectionError. Skipped behind a proxy or a custom HF_ENDPOINT, where a direct connect
+    proves nothing; HF_HUB_OFFLINE / HF_DATASETS_OFFLINE set means no connection at all."""
+    import os
+    import socket
+    from urllib.parse import urlparse
+
+    if any(os.environ.get(k) not in (None, "", "0") for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")):
+        raise Unavailable(f"{what}: on the HF hub, and HF_HUB_OFFLINE / HF_DATASETS_OFFLINE is set")
+    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy", "HF_ENDPOINT")):
+        return
+    host = urlparse("https://huggingface.co").hostname
+    try:
+        socket.create_connection((host, 443), timeout=HUB_PROBE_S).close()
+    except OSError as e:
+        raise Unavailable(f"{what}: on the HF hub, which cannot be reached ({host}:443: {e})") from None
 
 
 def subset(rows: list, limit: int | None, style: str = "zlab") -> list[tuple[int, object]]:
@@ -240,17 +263,29 @@ def _one_split(ds, spec: str, split: str | None):
     return ds[name]
 
 
-def hf_prompts(spec: str, limit: int | None = None) -> list[dict]:
+def hf_prompts(spec: str, limit: int | None = None, *, offline: bool = False) -> list[dict]:
     """Rows (`parse_row`) of an HF dataset: a hub name, or a local directory written by `Dataset.save_to_disk` or
-    holding parquet/JSON files (read by `datasets.load_dataset`)."""
+    holding parquet/JSON files (read by `datasets.load_dataset`). A hub name is Unavailable at once with offline=True,
+    and in one line where the hub cannot be reached or refuses it."""
     import datasets
 
     path, config, split = _hf_spec(spec)
     local = Path(path)
     if local.is_dir() and any((local / f).is_file() for f in ("state.json", "dataset_dict.json")):
         ds = datasets.load_from_disk(str(local))
-    else:
+    elif local.is_dir():
         ds = datasets.load_dataset(path, config, split=split) if split else datasets.load_dataset(path, config)
+    else:
+        if offline:
+            raise Unavailable(f"hf:{spec}: on the HF hub, and --offline (a local dataset directory works offline)")
+        try:
+            check_hub_reachable(f"hf:{spec}")
+            ds = datasets.load_dataset(path, config, split=split) if split else datasets.load_dataset(path, config)
+        except Unavailable:
+            raise
+        except Exception as e:  # no network, no such dataset, no access: one line, not the client's traceback
+            reason = (str(e).strip().splitlines() or [""])[0][:300]
+            raise Unavailable(f"hf:{spec}: could not be loaded from the HF hub: {type(e).__name__}: {reason}") from e
     ds = _one_split(ds, spec, split)
     n = len(ds) if limit is None else min(limit, len(ds))
     out = []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 
@@ -12,14 +13,28 @@ INPUT_ERROR_EXIT = 2
 
 
 def run_main(main, argv=None):
-    """main(argv) with input errors reported as `error: ...` on stderr and exit 2 (DFLASH_TRACEBACK=1 re-raises)."""
+    """main(argv) with input errors reported as `error: ...` on stderr and exit 2 (DFLASH_TRACEBACK=1 re-raises).
+    A `SystemExit("message")` (the scripts' way to stop on a named problem) reads and exits the same; a disk that
+    fills while a result is written (OSError ENOSPC, EDQUOT) names the file and exits 2 too."""
     try:
         return main(argv)
     except INPUT_ERRORS as e:
         if os.environ.get("DFLASH_TRACEBACK"):
             raise
-        print(f"error: {e}\n(set DFLASH_TRACEBACK=1 for the traceback)", file=sys.stderr)
-        sys.exit(INPUT_ERROR_EXIT)
+        _refuse(str(e))
+    except SystemExit as e:
+        if not isinstance(e.code, str):
+            raise
+        _refuse(e.code.removeprefix("error: "))
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT) or os.environ.get("DFLASH_TRACEBACK"):
+            raise
+        _refuse(f"{e.filename or 'a file'}: {e.strerror}: free space there and run the command again")
+
+
+def _refuse(message: str) -> None:
+    print(f"error: {message}\n(set DFLASH_TRACEBACK=1 for the traceback)", file=sys.stderr)
+    sys.exit(INPUT_ERROR_EXIT)
 
 
 def add_xla_flags(flags: str) -> None:

@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -69,14 +70,30 @@ def atomic_write_json(path: str | Path, obj, indent: int | None = 2) -> None:
 
 
 class RunLock:
-    """An exclusive lock on a run directory while a training runs in it (<run_dir>/.train.lock).
+    """An exclusive lock on a directory while one process writes there (<dir>/.train.lock for a training; other
+    writers name their own file), taken before anything in it is read or written.
 
     flock belongs to the open file: the kernel drops it when the process dies, kill -9 included, so a crashed
     run never leaves a stale lock, and the file's contents (who holds it) are only a message for the refusal.
+    `others`: locks taken with this one (a run's checkpoint.dir), released with it.
     """
 
-    def __init__(self, run_dir: str | Path):
-        self.path = Path(run_dir) / ".train.lock"
+    def __init__(
+        self,
+        run_dir: str | Path,
+        *,
+        key: str = "run_dir",
+        name: str = ".train.lock",
+        doing: str = "trained",
+        wait: bool = False,
+    ):
+        directory = Path(run_dir)
+        if directory.exists() and not directory.is_dir():
+            raise ValueError(f"{key}={directory} is a file, not a directory: name a directory (or a new path)")
+        self.path = directory / name
+        self.others: list[RunLock] = []
+        self.tidy = False  # set by claim_dir: a directory this lock made and nothing else wrote to goes on release
+        self._made = [p for p in (directory, *directory.parents) if not p.exists()]
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._f = self.path.open("a+")
         try:
@@ -84,11 +101,19 @@ class RunLock:
         except BlockingIOError:
             self._f.seek(0)
             holder = self._f.read().strip() or "another process"
+            if wait:  # a shared cache: the second user waits for the first to finish building it, then reads it
+                print(f"{self.path.parent} ({key}) is being {doing} by {holder}: waiting for it", file=sys.stderr)
+                fcntl.flock(self._f.fileno(), fcntl.LOCK_EX)
+                self._claim()
+                return
             self._f.close()
             raise RuntimeError(
-                f"{self.path.parent} is being trained by {holder}: two trainings in one run_dir would overwrite "
-                "each other's checkpoints and metrics. Wait for it, stop it, or give this one another run_dir"
+                f"{self.path.parent} is being {doing} by {holder}: two writers to one {key} would overwrite each "
+                f"other's files. Wait for it, stop it, or give this one another {key}"
             ) from None
+        self._claim()
+
+    def _claim(self) -> None:
         self._f.seek(0)
         self._f.truncate()
         self._f.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
@@ -99,18 +124,69 @@ class RunLock:
         return not self._f.closed
 
     def release(self) -> None:
+        for other in self.others:
+            other.release()
         if not self._f.closed:
+            if self.tidy and self._made and [p.name for p in self.path.parent.iterdir()] == [self.path.name]:
+                self.path.unlink()  # a refused command leaves no empty output directory behind
+                for made in self._made:
+                    with contextlib.suppress(OSError):
+                        made.rmdir()
             fcntl.flock(self._f.fileno(), fcntl.LOCK_UN)
             self._f.close()
 
 
-def open_run_dir(run_dir, timeout_s: float | None = None) -> RunLock:
-    """Take a run directory's lock before anything in it is written (a second training is refused with every file
-    as it was) and, for a URI, check that its store answers (`probe_uri`). The caller releases the lock."""
-    lock = RunLock(local_dir(run_dir))
+def check_out_file(path, flag: str) -> Path:
+    """An output file's path, checked before any work: not a directory, its parent a directory (made now). Local
+    paths only; returns it as a Path."""
+    out = Path(path)
+    if out.is_dir():
+        raise ValueError(f"{flag} {out} is a directory: name the file to write")
+    parent = out.parent
+    for above in (parent, *parent.parents):
+        if above.exists() and not above.is_dir():
+            raise ValueError(f"{flag} {out}: {above} is a file, not a directory")
+    parent.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def check_out_dir(path, flag: str) -> Path:
+    """An output directory's path, checked before any work: not a file, nor under one (made now)."""
+    out = Path(path)
+    for above in (out, *out.parents):
+        if above.exists() and not above.is_dir():
+            raise ValueError(f"{flag} {out}: {above} is a file, not a directory")
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def claim_dir(path, *, key: str, doing: str, name: str, timeout_s: float | None = None) -> RunLock:
+    """Before any work, the output directory `path` (flag or key `key`) made safe to write: a file there refused by
+    name, a second local writer refused with the holder's pid, a URI's store probed within seconds (its local
+    staging directory is what gets locked). The caller releases the lock."""
+    lock = RunLock(local_dir(path), key=key, name=name, doing=doing)
+    lock.tidy = True
     try:
-        if is_uri(run_dir):
-            probe_uri(run_dir, timeout_s)
+        if is_uri(path):
+            probe_uri(path, timeout_s, key=key)
+    except BaseException:
+        lock.release()
+        raise
+    return lock
+
+
+def open_run_dir(run_dir, timeout_s: float | None = None, checkpoint_dir=None) -> RunLock:
+    """Take a run directory's lock before anything in it is written (a second training is refused with every file
+    as it was) and, for a URI, check that its store answers (`probe_uri`). A checkpoint.dir outside the run
+    directory gets the same: two runs with their own run_dirs and one checkpoint.dir would otherwise end up with
+    one run's checkpoints and resume the other from them. The caller releases the lock."""
+    lock = claim_dir(run_dir, key="run_dir", doing="trained", name=".train.lock", timeout_s=timeout_s)
+    try:
+        if checkpoint_dir is not None and str(checkpoint_dir) != run_path(run_dir, "checkpoints"):
+            if is_uri(checkpoint_dir):  # Orbax writes there directly: nothing local to lock
+                probe_uri(checkpoint_dir, timeout_s, key="checkpoint.dir")
+            else:
+                lock.others.append(RunLock(checkpoint_dir, key="checkpoint.dir"))
     except BaseException:
         lock.release()
         raise
@@ -123,7 +199,8 @@ def open_run_dir(run_dir, timeout_s: float | None = None) -> RunLock:
 # files `push` mirrors to the URI through etils.epath (object stores have no append, no rename and no flock, which
 # metrics.jsonl, the atomic writes and the run lock need), and from which `pull` restores them on a fresh host.
 
-STAGING_SKIP = ("checkpoints", "features", ".train.lock", ".pushed.json")  # features: a local memmap cache
+# features: a local memmap cache; the locks: held by this host's writer only
+STAGING_SKIP = ("checkpoints", "features", ".train.lock", ".eval.lock", ".features.lock", ".pushed.json")
 
 
 def is_uri(path) -> bool:
@@ -151,7 +228,7 @@ def local_dir(run_dir) -> Path:
 PROBE_TIMEOUT_S = 20.0  # a store that has not answered a listing and a small write by then is not reachable
 
 
-def probe_uri(uri, timeout_s: float | None = None) -> None:
+def probe_uri(uri, timeout_s: float | None = None, key: str = "run_dir") -> None:
     """Refuse a URI run_dir whose store cannot be reached or written (no network, no credentials, no bucket) at
     start, naming the URI and the reason: list it, write and remove a small object in it, all within `timeout_s`
     (default PROBE_TIMEOUT_S), instead of a client library's traceback after its own retries (gcsfs: ~1 min)."""
@@ -177,13 +254,13 @@ def probe_uri(uri, timeout_s: float | None = None) -> None:
     worker.join(timeout_s)
     if not outcome:
         raise ValueError(
-            f"run_dir={uri}: its store did not answer within {timeout_s:g} s (no network, or a client waiting for "
+            f"{key}={uri}: its store did not answer within {timeout_s:g} s (no network, or a client waiting for "
             "credentials); check the URI, the network and the credentials (gcloud auth application-default login)"
         )
     if outcome[0] is not None:
         e = outcome[0]
         reason = (str(e).strip().splitlines() or [""])[0][:300]
-        raise ValueError(f"run_dir={uri}: cannot be reached or written: {type(e).__name__}: {reason}")
+        raise ValueError(f"{key}={uri}: cannot be reached or written: {type(e).__name__}: {reason}")
 
 
 def _staged_files(local: Path):

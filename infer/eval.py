@@ -45,7 +45,7 @@ from tqdm import tqdm
 
 from data.prompt_sets import SETS, STYLES, ZLAB, Unavailable, held_out, hf_prompts, jsonl_prompts, named_prompts
 from dflash_model.cli import run_main
-from dflash_model.files import atomic_write_text, local_dir, push, run_path, sha256_file
+from dflash_model.files import atomic_write_text, claim_dir, local_dir, push, run_path, sha256_file
 from dflash_model.tokenizer import chat_prompt_ids, stop_token_ids
 from infer.engine import Engine
 from infer.intervals import comparisons, decoder_intervals, format_comparisons
@@ -104,7 +104,7 @@ def dataset_messages(name: str, limit: int | None = None, *, style: str = "raw",
     if name in SETS:
         return named_prompts(name, limit, style=style, offline=offline)
     if name.startswith("hf:"):
-        return hf_prompts(name[3:], limit)
+        return hf_prompts(name[3:], limit, offline=offline)
     path = Path(name)
     if not path.is_file():
         raise ValueError(f"--dataset {name!r}: expected one of {DATASETS}, zlab, hf:ORG/NAME[:SPLIT] or a .jsonl file")
@@ -1163,9 +1163,18 @@ def _write_many(out: Path, about: dict, results: dict, skipped: dict) -> tuple[d
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    # --out before any work: a file there, a second eval writing there, or a store that cannot be reached is refused
+    # now, not after the decoding. A gs:// --out is written locally, then mirrored there (dflash_model.files.push).
+    lock = claim_dir(args.out, key="--out", doing="written by an eval", name=".eval.lock")
+    try:
+        return _main(args, argv)
+    finally:
+        lock.release()
+
+
+def _main(args, argv) -> dict:
     target, drafts, sets, skipped, stop_ids = checked_inputs(args)
-    out = local_dir(args.out)  # a gs:// --out is written here, then mirrored there (dflash_model.files.push)
-    out.mkdir(parents=True, exist_ok=True)
+    out = local_dir(args.out)
     results = {name: _run_set(args, target, drafts, prepared, stop_ids) for name, prepared in sets.items()}
     about = _about(args, argv, target, drafts)
     many = len(dataset_names(args.dataset)) > 1

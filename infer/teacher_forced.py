@@ -49,7 +49,7 @@ from tqdm import tqdm
 
 from data.prompt_sets import SETS, STYLES, Unavailable, held_out
 from dflash_model.cli import run_main
-from dflash_model.files import atomic_write_text, is_uri, local_dir, push, run_path, sha256_file
+from dflash_model.files import atomic_write_text, claim_dir, is_uri, local_dir, push, run_path, sha256_file
 from dflash_model.tokenizer import stop_token_ids
 from infer.agreement import (
     censored_survival,
@@ -637,6 +637,15 @@ def add_real(args, model, draft, k: int, stop_ids, decoded, results, progress: b
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    # --out before any work (a file there, a second writer, an unreachable store), as infer.eval does.
+    lock = claim_dir(args.out, key="--out", doing="written by a teacher-forced pass", name=".eval.lock")
+    try:
+        return _main(args, argv)
+    finally:
+        lock.release()
+
+
+def _main(args, argv) -> dict:
     started = time.perf_counter()
     target, draft, k, stop_ids = checked_inputs(args)
     about = _about(args, argv, target, draft, k)

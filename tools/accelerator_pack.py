@@ -14,14 +14,16 @@ prompts from the standard library and from the venv's packages (data.code_prompt
 (data.word_problems); each less the ids that have a reply already.
 
 Each part folder (`OUT/part0`, `part1`, ...) holds at most --part-mb MB; a larger file is split into chunks across
-parts. The last part holds manifest.json. `--unpack` reads only the standard library: it runs before the wheels are
-installed.
+parts. The last part holds manifest.json: each file's chunks, size, sha256 and mtime. `--unpack` reads only the
+standard library (it runs before the wheels are installed), names a missing or damaged chunk or file, and writes each
+file beside its place and renames it there only once its size and sha256 match: nothing partial is left.
 """
 
 from __future__ import annotations
 
 import argparse
 import gzip
+import hashlib
 import json
 import os
 import shutil
@@ -104,15 +106,24 @@ def logical_files(args, tmp: Path) -> dict[str, Path]:
     return files
 
 
+def is_stage(path: Path) -> bool:
+    """Whether `path` holds nothing but part folders (an earlier stage, which --out may replace)."""
+    return all(p.is_dir() and (p.name.startswith("part") or p.name == "tmp") for p in path.iterdir())
+
+
 def pack(args) -> None:
     out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise SystemExit(f"error: --out {out} is a file, not a directory")
+    if out.exists() and not is_stage(out):
+        raise SystemExit(f"error: --out {out} holds files other than part folders: refusing to replace it")
     shutil.rmtree(out, ignore_errors=True)
     tmp = out / "tmp"
     tmp.mkdir(parents=True)
     limit = int(args.part_mb * 1_000_000)
     manifest, part, used = {}, 0, 0
     for name, path in logical_files(args, tmp).items():
-        data, chunks = path.read_bytes(), []
+        data, chunks = path.read_bytes(), []  # staged files are at most a few hundred MB
         while True:  # fill the current part, open the next when it is full; empty files take one empty chunk
             if used >= limit:
                 part, used = part + 1, 0
@@ -125,7 +136,13 @@ def pack(args) -> None:
             used += len(piece)
             if not data:
                 break
-        manifest[name] = {"chunks": chunks, "mtime": int(path.stat().st_mtime)}
+        whole = path.read_bytes()
+        manifest[name] = {
+            "chunks": chunks,
+            "bytes": len(whole),
+            "sha256": hashlib.sha256(whole).hexdigest(),
+            "mtime": int(path.stat().st_mtime),
+        }
     (out / f"part{part}").mkdir(exist_ok=True)
     (out / f"part{part}" / MANIFEST).write_text(json.dumps(manifest, indent=1))
     shutil.rmtree(tmp)
@@ -134,17 +151,52 @@ def pack(args) -> None:
 
 
 def unpack(stage: Path) -> None:
-    """Join the chunks of every staged file: cache/ names into $DFLASH_CACHE, the rest into STAGE/files/."""
-    manifest = json.loads((stage / MANIFEST).read_text())
+    """Join the chunks of every staged file: cache/ names into $DFLASH_CACHE, the rest into STAGE/files/. Every chunk
+    is found and every file's size and sha256 checked before anything is written in its place."""
+    manifest_path = stage / MANIFEST
+    if not manifest_path.is_file():
+        raise SystemExit(
+            f"error: {manifest_path}: no manifest (copy every part's files into {stage}, the last "
+            "part's manifest.json with them)"
+        )
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        entries = [(name, e["chunks"], int(e["bytes"]), e["sha256"], int(e["mtime"])) for name, e in manifest.items()]
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise SystemExit(
+            f"error: {manifest_path}: not a manifest with chunks, bytes, sha256 and mtime per file "
+            f"({type(e).__name__}: {e}); stage again with this version of the tool"
+        ) from None
+    missing = sorted(c for _, chunks, *_ in entries for c in chunks if not (stage / c).is_file())
+    if missing:
+        raise SystemExit(
+            f"error: {stage}: {len(missing)} chunk(s) missing, e.g. {', '.join(missing[:5])}: copy every "
+            "part's files into it"
+        )
     cache = Path(os.environ.get("DFLASH_CACHE", "~/.cache/dflash-jax")).expanduser()
-    for name, entry in manifest.items():
+    for name, chunks, size, sha256, mtime in entries:
         dest = cache / name.removeprefix("cache/") if name.startswith("cache/") else stage / "files" / name
         dest.parent.mkdir(parents=True, exist_ok=True)
-        with dest.open("wb") as f:
-            for chunk in entry["chunks"]:
-                f.write((stage / chunk).read_bytes())
-        os.utime(dest, (entry["mtime"], entry["mtime"]))
-    print(f"{len(manifest)} files unpacked", file=sys.stderr)
+        partial = dest.with_name(dest.name + ".partial")
+        digest, written = hashlib.sha256(), 0
+        try:
+            with partial.open("wb") as f:
+                for chunk in chunks:
+                    piece = (stage / chunk).read_bytes()
+                    digest.update(piece)
+                    written += len(piece)
+                    f.write(piece)
+            if written != size or digest.hexdigest() != sha256:
+                raise SystemExit(
+                    f"error: {name}: its chunks ({', '.join(chunks)}) join to {written} bytes with sha256 "
+                    f"{digest.hexdigest()[:12]}..., the manifest says {size} bytes, {sha256[:12]}...: a part was "
+                    "damaged or truncated in transfer; copy it again"
+                )
+            os.utime(partial, (mtime, mtime))
+            os.replace(partial, dest)
+        finally:
+            partial.unlink(missing_ok=True)
+    print(f"{len(entries)} files unpacked, each size and sha256 checked", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -169,4 +221,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.path.insert(0, str(ROOT))
+    from dflash_model.cli import run_main  # the standard library only, as --unpack needs
+
+    run_main(main)

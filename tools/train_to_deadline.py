@@ -6,6 +6,9 @@ An accelerator machine is reached for minutes, and a step's time on it is unknow
 that fit before the deadline less one more compile (the schedule is a compile-time constant of the step: the new
 length compiles once). A timer sends SIGTERM shortly before the deadline in case the fit was optimistic: the trainer
 then stops at the next step, and the drafter is exported where it stands.
+
+It always starts from step 0 (the fitted schedule is this run's own), so a run_dir that holds a run already is
+refused unless `--restart` says to replace it; a deadline too close to leave a step and the export is refused.
 """
 
 from __future__ import annotations
@@ -27,15 +30,52 @@ from train.config import load_config  # noqa: E402
 from train.presets import cli_overrides  # noqa: E402
 
 EXPORT_S = 20.0  # the export and the files after it
+MIN_LEAD_S = 60.0  # a deadline nearer than this leaves no time for a build, a compile, a step and the export
+
+
+def holds_run(run_dir: Path) -> list[str]:
+    """What in run_dir shows a run was trained there (metrics, checkpoints, an export)."""
+    found = [name for name in ("metrics.jsonl", "export") if (run_dir / name).exists()]
+    checkpoints = run_dir / "checkpoints"
+    if checkpoints.is_dir() and any(checkpoints.iterdir()):
+        found.append("checkpoints/")
+    return found
 
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--deadline", type=float, required=True, help="unix time by which the export must be written")
     ap.add_argument("--probe", type=int, default=12, help="steps timed before the schedule is fitted")
+    ap.add_argument("--restart", action="store_true", help="replace a run the run_dir holds already (else refused)")
     args, rest = ap.parse_known_args(argv)
+    if args.probe < 2:
+        ap.error(f"--probe must be at least 2 (the first step compiles), got {args.probe}")
+    lead = args.deadline - time.time()
+    if not lead >= MIN_LEAD_S:  # also refuses a NaN deadline
+        raise ValueError(
+            f"--deadline {args.deadline:.0f} is {lead:.0f} s from now: at least {MIN_LEAD_S:.0f} s are needed for a "
+            "build, a compiled step and the export"
+        )
     name, overrides = cli_overrides(rest)
     cfg = load_config(name, overrides)
+    from dflash_model.files import open_run_dir
+
+    lock = open_run_dir(cfg.run_dir, checkpoint_dir=cfg.checkpoint.dir)  # before anything there is read or written
+    try:
+        return _train(args, name, overrides, cfg, lock)
+    finally:
+        lock.release()
+
+
+def _train(args, name: str, overrides: list[str], cfg, lock) -> dict:
+    from dflash_model.files import local_dir
+
+    found = holds_run(local_dir(cfg.run_dir))
+    if found and not args.restart:
+        raise ValueError(
+            f"run_dir={cfg.run_dir} holds a run already ({', '.join(found)}): this tool starts from step 0 and would "
+            "replace it. Give another run_dir=, resume it with train/run.py, or pass --restart to replace it"
+        )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     logging.getLogger("absl").setLevel(logging.WARNING)
     log = logging.getLogger("train_to_deadline")
@@ -43,7 +83,7 @@ def main(argv: list[str] | None = None) -> dict:
     from train.trainer import Trainer
 
     t0 = time.time()
-    trainer = Trainer(cfg, restore=False)
+    trainer = Trainer(cfg, restore=False, lock=lock)
     (trainer.run_dir / "config.yml").write_text(cfg.dump())
     log.info("trainer built in %.0f s: %d batches an epoch", time.time() - t0, trainer.batches_per_epoch)
     stop_at = args.deadline - EXPORT_S
@@ -72,4 +112,6 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    from dflash_model.cli import run_main
+
+    run_main(main)

@@ -27,7 +27,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from dflash_model import sharding as shd
-from dflash_model.files import atomic_write_text, is_uri
+from dflash_model.files import RunLock, atomic_write_text, is_uri
 from dflash_model.target import forward
 from train.objective import target_labels
 
@@ -80,11 +80,21 @@ def open_or_build(trainer, records, chunk: int = 8):
     root = Path(cfg.features.cache_dir) if cfg.features.cache_dir else trainer.run_dir / "features"
     want = _meta(trainer, records)
     data_path = root / "features.npy"
-    # Process 0's view decides: a peer that looked after process 0 finished would otherwise skip the build.
-    stale = shd.process0_decides(cache_problem(root, want) is not None)
-    if stale:
-        _build(trainer, records, root, want, chunk, write=jax.process_index() == 0)
-    shd.barrier("dflash offline features written")
+    # One builder at a time (process 0 of each run): two runs sharing a cache_dir would otherwise both find it
+    # missing and write it over each other. The lock sits beside the cache, which a rebuild deletes whole; the
+    # second run waits for the first build and then finds the cache ready.
+    lock = None
+    if jax.process_index() == 0:
+        lock = RunLock(root.parent, key="features.cache_dir", name=f".{root.name}.lock", doing="built", wait=True)
+    try:
+        # Process 0's view decides: a peer that looked after process 0 finished would otherwise skip the build.
+        stale = shd.process0_decides(cache_problem(root, want) is not None)
+        if stale:
+            _build(trainer, records, root, want, chunk, write=jax.process_index() == 0)
+        shd.barrier("dflash offline features written")
+    finally:
+        if lock is not None:
+            lock.release()
     labels = np.load(root / "labels.npy", mmap_mode="r") if want["labels"] == "target" else None
     return _Reader(np.load(data_path, mmap_mode="r"), want["dtype"]), labels
 

@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     # The run directory's lock before anything is read or written there (and before the data is regenerated): a
     # second training in it is refused with every file as it was. Held to the end of the eval.
-    lock = open_run_dir(cfg.run_dir) if jax.process_index() == 0 else None
+    lock = open_run_dir(cfg.run_dir, checkpoint_dir=cfg.checkpoint.dir) if jax.process_index() == 0 else None
     try:
         return _run(name, overrides, cfg, lock)
     finally:

@@ -115,7 +115,9 @@ class Trainer:
         # is refused with every file as it was. A lock given by the caller (train/run.py, which takes it before
         # regenerating data) stays the caller's to release; one taken here is released when `train` ends.
         self._own_lock = lock is None
-        self.lock = lock if lock is not None or jax.process_index() != 0 else open_run_dir(cfg.run_dir)
+        if lock is None and jax.process_index() == 0:
+            lock = open_run_dir(cfg.run_dir, checkpoint_dir=cfg.checkpoint.dir)
+        self.lock = lock
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             if jax.process_index() == 0:
@@ -135,7 +137,7 @@ class Trainer:
     def _hold_lock(self) -> None:
         """Take the run directory's lock again for a `train` after an earlier one released it."""
         if self._own_lock and self.lock is not None and not self.lock.held:
-            self.lock = open_run_dir(self.cfg.run_dir)
+            self.lock = open_run_dir(self.cfg.run_dir, checkpoint_dir=self.cfg.checkpoint.dir)
 
     def _receive(self, run: Run, restore: bool) -> None:
         """Take the run's world (build_run's, or the caller's), then set up the optimizer state and checkpoints."""
