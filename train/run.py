@@ -22,10 +22,9 @@ from dflash_model.files import atomic_write_text
 
 
 def _target_name(cfg) -> str:
-    path = cfg.target.path
-    if path is None:
-        return f"random-{cfg.target.preset}"
-    return path.split(":", 1)[1] if str(path).startswith("asset:") else Path(path).stem
+    from data.assets import target_name
+
+    return f"random-{cfg.target.preset}" if cfg.target.path is None else target_name(cfg.target.path)
 
 
 def on_cloud_tpu_vm() -> bool:
