@@ -41,7 +41,7 @@ COSTS = {1: 16.9, 2: 20.5, 4: 22.2, 8: 25.4, 16: 33.2}
 
 def generate_outputs(path: Path, max_new: int) -> None:
     from dflash_model.tokenizer import stop_token_ids
-    from infer.eval import dataset_messages, encode
+    from infer.eval_sets import dataset_messages, encode
     from infer.plain import greedy_generate
     from infer.target_spec import load_target_spec
 

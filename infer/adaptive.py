@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from infer.proposers import scored
-from infer.spec import DecodeState, Verified, verify_forward
+from infer.spec import DecodePlan, DecodeState, Verified, verify_forward
 
 
 def default_widths(k: int) -> tuple[int, ...]:
@@ -57,16 +57,17 @@ def measured_rates(tries, hits, prior_weight: float = 4.0):
     return (hits + prior_weight * pooled[:, None]) / (tries + prior_weight)
 
 
-def verify_width(target, proposer, params, st: DecodeState, last_B, key, *, k, temperature, widths, tree) -> Verified:
+def verify_width(target, proposer, params, st: DecodeState, last_B, key, plan: DecodePlan) -> Verified:
     """The adaptive strategy: draft K-1 tokens, verify the first w of the block, w in `widths` chosen by
     `choose_width` from the drafts' confidence and the measured cost of a round at each width."""
+    k, widths = plan.k, plan.widths
     prop = scored(proposer, params, target, st.draft, st.history, st.n, k)
     measured_BJ = measured_rates(st.tries, st.hits)[prop.source]
     conf = jnp.where(jnp.isnan(prop.prob), measured_BJ, prop.prob)
     cost_Z = st.verify_ms_Z + jnp.where(prop.drafted, st.draft_ms, 0.0)
     choice = choose_width(conf, ~st.done, widths, cost_Z)
     branches = [
-        functools.partial(verify_forward, target, proposer, width=w, k=k, temperature=temperature, branch=True)
+        functools.partial(verify_forward, target, proposer, width=w, k=k, temperature=plan.temperature, branch=True)
         for w in widths
     ]
     tok, a, feats, kv, nonfinite = jax.lax.switch(choice, branches, st, last_B, prop.tokens, key)

@@ -24,6 +24,7 @@ from infer.proposers import NoProposer
 from infer.spec import (
     MAX_BLOCK,
     MAX_TREE_NODES,
+    DecodePlan,
     DecodeState,
     _decode,
     _prefill,
@@ -206,8 +207,8 @@ class Engine:
                 )
         tree = _tree_shape(proposer, k, widths, tree_nodes, tree_top)
         verify = verify_tree if tree else verify_width if adaptive else verify_block
-        self.static = dict(
-            k=k, temperature=float(temperature), max_new=int(max_new_tokens), widths=widths, tree=tree, verify=verify
+        self.plan = DecodePlan(
+            k=k, max_new=int(max_new_tokens), temperature=float(temperature), widths=widths, tree=tree, verify=verify
         )
         self._check_sizes()
         # Costs (ms) of a verify at each candidate width and of the drafter's forward; `calibrate` measures them.
@@ -218,37 +219,36 @@ class Engine:
 
     @property
     def block_size(self) -> int:
-        return self.static["k"]
+        return self.plan.k
 
     @property
     def width(self) -> int:
         """The widest verify a round runs: K, or a tree's nodes + 1 (what the cache holds beyond the tokens)."""
-        tree = self.static["tree"]
-        return max(self.block_size, tree[0] + 1 if tree else 0)
+        return self.plan.width
 
     def _check_sizes(self) -> None:
         """K, a tree's nodes and a one-token prompt's decode against MAX_BLOCK, MAX_TREE_NODES and the target's
         positions, before anything compiles (`prefill` checks each prompt's own length)."""
-        tree = self.static["tree"]
+        tree = self.plan.tree
         if self.block_size > MAX_BLOCK:
             raise ValueError(f"block size K={self.block_size} is more than {MAX_BLOCK}")
         if tree and tree[0] > MAX_TREE_NODES:
             raise ValueError(f"a draft tree of {tree[0]} nodes is more than {MAX_TREE_NODES}")
         positions = config_of(self.target).max_position_embeddings
-        check_positions(1, self.static["max_new"], self.width, positions, "max_new_tokens")
+        check_positions(1, self.plan.max_new, self.width, positions, "max_new_tokens")
 
     @property
     def widths(self) -> tuple[int, ...]:
         """The verify widths this engine may use: its candidates, the block size alone, or a tree's nodes."""
-        if self.static["widths"]:
-            return self.static["widths"]
-        if self.static["tree"]:
-            return (self.static["tree"][0] + 1,)
+        if self.plan.widths:
+            return self.plan.widths
+        if self.plan.tree:
+            return (self.plan.tree[0] + 1,)
         return (self.block_size,)
 
     @property
     def adaptive(self) -> bool:
-        return self.static["widths"] is not None
+        return self.plan.widths is not None
 
     @property
     def needs_costs(self) -> bool:
@@ -264,7 +264,7 @@ class Engine:
 
     def _prefill(self, ids_BP, lengths_B, key, costs) -> DecodeState:
         positions = config_of(self.target).max_position_embeddings
-        check_positions(int(np.max(lengths_B)), self.static["max_new"], self.width, positions, "the longest prompt")
+        check_positions(int(np.max(lengths_B)), self.plan.max_new, self.width, positions, "the longest prompt")
         costs = costs or {"verify_ms": [0.0] * len(self.widths), "draft_ms": 0.0}  # unused by a fixed width
         return _prefill(
             self.target,
@@ -276,7 +276,7 @@ class Engine:
             self.stop_Y,
             jnp.asarray(costs["verify_ms"], jnp.float32),
             jnp.float32(costs["draft_ms"]),
-            **self.static,
+            plan=self.plan,
         )
 
     def calibrate(self, ids_BP, lengths_B, key, reps: int = 10) -> dict:
@@ -291,11 +291,11 @@ class Engine:
         if self.tree_prior is None:
             self.costs = self._measure(ids_BP, lengths_B, key, reps)
             return self.costs
-        before, top = dict(self.static), self.static["tree"][1]
+        before, top = self.plan, self.plan.tree[1]
         measured, table, dearest = {}, {}, 0.0
         try:
             for n, tau in sorted(self.tree_prior.items()):
-                self.static.update(k=n + 1, tree=(n, top))
+                self.plan = dataclasses.replace(self.plan, k=n + 1, tree=(n, top))
                 measured[n] = c = self._measure(ids_BP, lengths_B, key, reps)
                 # The rest of a round (the walk, commit, cache crop) is left out: 2-7% of a round in the measured
                 # loop overheads, the same at every size, so leaving it out favours smaller trees by at most that.
@@ -304,10 +304,10 @@ class Engine:
                 tps = round(1e3 * tau / dearest, 2)
                 table[n] = {"tau": tau, "round_ms": round(dearest, 3), "tokens_per_s": tps}
         except BaseException:
-            self.static = before  # as it was: a failed choice leaves the engine's size and its costs unchanged
+            self.plan = before  # as it was: a failed choice leaves the engine's size and its costs unchanged
             raise
         best = max(table, key=lambda n: table[n]["tokens_per_s"])
-        self.static.update(k=best + 1, tree=(best, top))
+        self.plan = dataclasses.replace(self.plan, k=best + 1, tree=(best, top))
         self.costs = {**measured[best], "tree_choice": {"nodes": best, "by_size": table}}
         return self.costs
 
@@ -333,7 +333,7 @@ class Engine:
         )
         draft_ms = 0.0
         if k > 1:
-            nodes = self.static["tree"][0] if self.static["tree"] else None
+            nodes = self.plan.tree[0] if self.plan.tree else None
             draft_ms = _loop_ms(lambda r: _probe_draft(self.target, model, params, st, r, k=k, nodes=nodes), reps)
         # A wider verify never costs less; a measured dip is noise, and would make the choice chase it.
         return {
@@ -345,7 +345,7 @@ class Engine:
 
     def decode(self, state: DecodeState) -> DecodeState:
         """The whole decode loop on device (the state's buffers are donated: do not reuse `state`)."""
-        return _decode(self.target, self.proposer, self.params, state, **self.static)
+        return _decode(self.target, self.proposer, self.params, state, plan=self.plan)
 
     def inputs(self, prompts: list[list[int]], seed: int = 0):
         """Device arrays (ids [B, bucket], lengths [B], key) for `prefill`."""

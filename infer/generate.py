@@ -17,16 +17,19 @@ import sys
 from dflash_model.cli import run_main
 from dflash_model.tokenizer import chat_prompt_ids, stop_token_ids
 from infer.engine import Engine
-from infer.loading import DRAFT_HELP, at_least, check_prompt_ids, fit_prompts, load_draft_spec, non_negative
-from infer.spec import MAX_BLOCK, check_positions
+from infer.loading import DRAFT_HELP, at_least, check_prompt_ids, fit_prompts, load_draft_spec
+from infer.options import decode_options
+from infer.spec import check_positions
 from infer.target_spec import load_target_spec
 
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(
-        prog="python -m infer.generate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m infer.generate",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        parents=[decode_options()],
     )
-    ap.add_argument("--target", required=True, help="HF model directory, .gguf file, or 'smollm2'")
     ap.add_argument(
         "--draft",
         default="none",
@@ -37,18 +40,6 @@ def parse_args(argv=None):
     src.add_argument("--prompt-ids", help="comma-separated prompt token ids (used as given)")
     ap.add_argument("--chat", action="store_true", help="wrap --prompt in the chat template (thinking off)")
     ap.add_argument("--max-new-tokens", type=at_least(1), required=True)
-    ap.add_argument(
-        "--block", type=at_least(2, MAX_BLOCK), default=None, help="block size K (default: the drafter's; ngram 8)"
-    )
-    ap.add_argument(
-        "--truncate-prompt",
-        action="store_true",
-        help="cut a prompt too long for the target's positions (with --max-new-tokens and K) to its last tokens "
-        "that fit, said on stderr (default: refused)",
-    )
-    ap.add_argument("--temperature", type=non_negative, default=0.0)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="target compute dtype")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
     args = ap.parse_args(argv)
     if args.chat and args.prompt is None:
@@ -86,7 +77,7 @@ def checked_inputs(args):
         max_new_tokens=args.max_new_tokens,
         width=draft.width,
         names=[name],
-        truncate=args.truncate_prompt,
+        truncate=args.truncate_prompts,
     )
     return target.load_weights(), draft, ids
 

@@ -402,3 +402,54 @@ def fit_prompts(
             ids = ids[-room:]
         out.append(ids)
     return out, cut
+
+
+def drafter_block(drafter_dir: str) -> int | None:
+    """The block size K a drafter directory was trained with (its config.json), None where it names none."""
+    try:
+        k = json.loads((Path(drafter_dir) / "config.json").read_text()).get("block_size")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return int(k) if isinstance(k, int) else None
+
+
+def compare_specs(drafter_dir: str, block: int | None = None) -> list[str]:
+    """The --draft values of `--compare DIR`: every way this project decodes with one drafter, and n-gram, at
+    K=8 and, named ngram-K<K>, at the drafter's own K (--block where given), the same-K baseline."""
+    k = block or drafter_block(drafter_dir)
+    same_k = [f"ngram-K{k}=ngram@{k}"] if k and k != NGRAM_BLOCK else []
+    return [
+        f"ngram@{NGRAM_BLOCK}",
+        *same_k,
+        "adaptive:ngram@16",
+        drafter_dir,
+        f"adaptive:{drafter_dir}",
+        f"hybrid:{drafter_dir}",
+        f"adaptive:hybrid:{drafter_dir}",
+        f"tree:{drafter_dir}",
+    ]
+
+
+def load_drafts(specs: list[str], target_cfg, block: int | None, seed: int):
+    """Draft objects for --draft values (NAME=SPEC or SPEC, each optionally @K), with distinct names: NAME names
+    the row; else a second drafter directory is named by its directory, its prefixes kept (fullvocab:DIR is
+    fullvocab-DIRNAME), and by its K too where that is what differs."""
+    out = []
+    for given in specs:
+        label, eq, rest = given.partition("=")
+        if not eq or not re.fullmatch(r"[\w.+@-]+", label):
+            label, rest = "", given
+        spec, at, k = rest.partition("@")
+        if at and not k.isdigit():
+            raise ValueError(f"--draft {given!r}: the block size after '@' must be a whole number, not {k!r}")
+        d = load_draft_spec(spec, target_cfg, int(k) if k else block, seed=seed)
+        if label:
+            d = dataclasses.replace(d, name=label)
+        elif any(o.name == d.name for o in out):
+            dir_name = Path(spec.rsplit(":", 1)[-1]).name
+            name = d.name.replace("dflash", dir_name) if "dflash" in d.name else f"{d.name}-{dir_name}"
+            d = dataclasses.replace(d, name=name if all(o.name != name for o in out) else f"{name}@{d.block_size}")
+        if any(o.name == d.name for o in out):
+            raise ValueError(f"--draft {given!r}: a second row named {d.name!r}; name it with NAME=SPEC")
+        out.append(d)
+    return out

@@ -18,7 +18,9 @@ Dimension letters: docs/glossary.md (one glossary for the repository). Here C = 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import flax
@@ -145,16 +147,40 @@ class Verified(NamedTuple):
     width: jax.Array
 
 
-def verify_block(target, proposer, params, st: DecodeState, last_B, key, *, k, temperature, widths, tree) -> Verified:
-    """The fixed-block strategy: draft K-1 tokens, verify all of them (widths and tree are the other strategies')."""
+def verify_block(target, proposer, params, st: DecodeState, last_B, key, plan: DecodePlan) -> Verified:
+    """The fixed-block strategy: draft K-1 tokens, verify all of them."""
+    k = plan.k
     prop = scored(proposer, params, target, st.draft, st.history, st.n, k)
     tok, a, feats, cache, nonfinite = verify_forward(
-        target, proposer, st, last_B, prop.tokens, key, width=k, k=k, temperature=temperature
+        target, proposer, st, last_B, prop.tokens, key, width=k, k=k, temperature=plan.temperature
     )
     return Verified(prop, tok, a, feats, cache, nonfinite, jnp.int32(k))
 
 
-def _round(target, proposer, params, st: DecodeState, *, k, temperature, max_new, widths, tree, verify) -> DecodeState:
+@dataclasses.dataclass(frozen=True)
+class DecodePlan:
+    """What a decode is, fixed when it compiles: a jit static argument, so one compile per plan and prompt bucket.
+
+    k: the block size K; max_new: new tokens at most; temperature: the target's sampling temperature (0: greedy);
+    widths: an adaptive round's candidate verify widths (None: every round verifies the whole block); tree:
+    (nodes, top) of a draft tree (None: no tree); verify: the round's strategy, a function (target, proposer,
+    params, state, last token, key, plan) -> Verified: `verify_block`, `infer.adaptive.verify_width` or
+    `infer.tree_round.verify_tree`."""
+
+    k: int
+    max_new: int
+    temperature: float = 0.0
+    widths: tuple[int, ...] | None = None
+    tree: tuple[int, int] | None = None
+    verify: Callable = verify_block
+
+    @property
+    def width(self) -> int:
+        """The widest verify a round runs: K, or a tree's nodes + 1 (what the cache holds beyond the tokens)."""
+        return max(self.k, self.tree[0] + 1 if self.tree else 0)
+
+
+def _round(target, proposer, params, st: DecodeState, plan: DecodePlan) -> DecodeState:
     """One draft -> verify -> accept -> commit round for every row (finished rows run along, change nothing).
 
     With K-1 drafts d_1..d_{K-1} and the target's tokens t_0..t_{K-1} at the block's positions (t_j given the
@@ -166,7 +192,8 @@ def _round(target, proposer, params, st: DecodeState, *, k, temperature, max_new
     last = jnp.take_along_axis(st.history, start[:, None], axis=1)[:, 0]
     key = jax.random.fold_in(st.key, st.rounds)
     live = ~st.done
-    v = verify(target, proposer, params, st, last, key, k=k, temperature=temperature, widths=widths, tree=tree)
+    k, max_new = plan.k, plan.max_new
+    v = plan.verify(target, proposer, params, st, last, key, plan)
     a, target_tok = v.accepted, v.target_tok
     # Draft j was tried when it was verified and drafts 1..j-1 were accepted; hit when it was accepted too.
     j = jnp.arange(1, k)[None, :]
@@ -220,17 +247,12 @@ def _prefill_impl(
     stop_Y,
     verify_ms_Z,
     draft_ms,
-    *,
-    k,
-    temperature,
-    max_new,
-    widths,
-    tree,
-    verify,
+    plan: DecodePlan,
 ):
     TRACES["prefill"] += 1
     b, p = ids_BP.shape
-    capacity = p + max_new + max(k, tree[0] + 1 if tree else 0)  # a verify writes K (or a tree's nodes) slots
+    k, max_new = plan.k, plan.max_new
+    capacity = p + max_new + plan.width  # a verify writes K (or a tree's nodes) slots
     out = forward(
         target,
         ids_BP,
@@ -239,7 +261,7 @@ def _prefill_impl(
         logits_at=lengths_B - 1,
     )
     key, sub = jax.random.split(key)
-    first = pick(out.logits, temperature, sub)
+    first = pick(out.logits, plan.temperature, sub)
     rows = jnp.arange(b)
     history = jnp.zeros((b, capacity), jnp.int32).at[:, :p].set(ids_BP).at[rows, lengths_B].set(first)
     draft = proposer.observe(params, proposer.init(params, b, capacity), out.features, lengths_B)
@@ -267,26 +289,15 @@ def _prefill_impl(
     )
 
 
-def _decode_impl(target, proposer, params, st, *, k, temperature, max_new, widths, tree, verify):
+def _decode_impl(target, proposer, params, st, plan: DecodePlan):
     TRACES["decode"] += 1
-    step = functools.partial(
-        _round,
-        target,
-        proposer,
-        params,
-        k=k,
-        temperature=temperature,
-        max_new=max_new,
-        widths=widths,
-        tree=tree,
-        verify=verify,
-    )
+    step = functools.partial(_round, target, proposer, params, plan=plan)
     max_rounds = st.accept.shape[1]
     return jax.lax.while_loop(lambda s: (s.rounds < max_rounds) & ~jnp.all(s.done), step, st)
 
 
 # Modules (target, DFlash drafter) are jit arguments as pytrees: their GraphDefs cannot be static arguments
 # because Tunix's ModelConfig, held in them, is unhashable.
-_STATIC = ("proposer", "k", "temperature", "max_new", "widths", "tree", "verify")
+_STATIC = ("proposer", "plan")
 _prefill = jax.jit(_prefill_impl, static_argnames=_STATIC)
 _decode = jax.jit(_decode_impl, static_argnames=_STATIC, donate_argnames=("st",))

@@ -59,13 +59,14 @@ from infer.agreement import (
     teacher_forced,
 )
 from infer.engine import Engine
-from infer.eval import dataset_messages, dataset_names, dataset_source, encode
+from infer.eval_sets import dataset_messages, dataset_names, dataset_source, encode
 from infer.intervals import LEVEL, REPLICATES, SEED
 from infer.loading import at_least, check_prompt_ids, fit_prompts, load_draft_spec
 from infer.metrics import strict_dumps, survival, tau_pooled
+from infer.options import decode_options
 from infer.plain import bucket_length, greedy_generate
 from infer.proposers import DFlashProposer
-from infer.spec import MAX_BLOCK, check_positions
+from infer.spec import check_positions
 from infer.target_spec import load_target_spec
 
 DEFAULT_SKIP = 40  # the most prompts of a set any checkpoint of the shipped drafter was chosen on (--limit 40)
@@ -89,8 +90,8 @@ def parse_args(argv=None):
         prog="python -m infer.teacher_forced",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        parents=[decode_options(sampling=False)],
     )
-    ap.add_argument("--target", required=True, help="an HF model directory, a .gguf file, or 'smollm2' (required)")
     ap.add_argument("--draft", required=True, help="a DFlash drafter directory (z-lab or speculators format; required)")
     ap.add_argument(
         "--dataset",
@@ -124,9 +125,6 @@ def parse_args(argv=None):
     ap.add_argument(
         "--thinking", choices=["on", "off"], default="off", help="the chat template's thinking switch (default off)"
     )
-    ap.add_argument(
-        "--block", type=at_least(2, MAX_BLOCK), default=None, help="block size K (default: the drafter's own)"
-    )
     ap.add_argument("--max-new-tokens", type=at_least(2), default=256, help="reply budget of the target (default 256)")
     ap.add_argument(
         "--batch-size",
@@ -143,18 +141,12 @@ def parse_args(argv=None):
         "and report real minus teacher-forced on them (default 0: none)",
     )
     ap.add_argument(
-        "--truncate-prompts",
-        action="store_true",
-        help="cut a prompt too long for the target's positions to its last tokens that fit (default: refused)",
-    )
-    ap.add_argument(
         "--replies",
         metavar="FILE",
         help="reuse the target's replies of an earlier run (its teacher_forced.json or directory; the same target, "
         "dtype, --max-new-tokens, --prompt-style and --thinking) for the prompts it has, decoding only the others: "
         "a second drafter on the same prompts then pays only its teacher-forced pass (default: decode them all)",
     )
-    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="the target's compute dtype")
     ap.add_argument("--out", required=True, help="the directory for teacher_forced.json and table.md (required)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
     args = ap.parse_args(argv)

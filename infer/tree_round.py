@@ -17,17 +17,17 @@ import jax.numpy as jnp
 from dflash_model.target import forward
 from infer.adaptive import best_rate
 from infer.proposers import DRAFTER, LOOKUP_TREE, Proposal
-from infer.spec import TRACES, DecodeState, Verified, pad_positions, pick
+from infer.spec import TRACES, DecodePlan, DecodeState, Verified, pad_positions, pick
 from infer.tree import build_tree, walk_tree
 
 
 @jax.named_scope("tree_round")
-def verify_tree(target, proposer, params, st: DecodeState, last_B, key, *, k, temperature, widths, tree) -> Verified:
+def verify_tree(target, proposer, params, st: DecodeState, last_B, key, plan: DecodePlan) -> Verified:
     """A tree round's verify: the tree (DDTree: the best `nodes` prefixes of the drafter's top tokens per position;
     or the proposer's own grown tree), one target forward over its nodes (tree attention; with `widths`, over the
     first w nodes, w chosen per round), the walk. The target's tokens along the path, the accepted count, the
     path's features, a cache whose path entries sit where a sequential verify puts them, the verified width."""
-    nodes, top = tree
+    (nodes, top), k, widths, temperature = plan.tree, plan.k, plan.widths, plan.temperature
     cost_Z = None if widths is None else st.verify_ms_Z + st.draft_ms
     if hasattr(proposer, "propose_tree"):  # a tree grown node by node (proposers.LookupTreeProposer)
         score_BE, tr = proposer.propose_tree(params, target, st.draft, st.history, st.n, k, nodes)

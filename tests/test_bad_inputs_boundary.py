@@ -15,7 +15,7 @@ from conftest import FIXTURES, REPO
 
 from dflash_model.weights import load_target_config
 from infer import eval as ev
-from infer import generate
+from infer import eval_sets, generate, loading
 from infer.loading import load_draft_spec
 from infer.replies import load_replies, save_replies
 from infer.target_spec import load_target_spec
@@ -54,7 +54,7 @@ def test_block_and_tree_sizes_have_an_upper_bound(tiny_cfg, tmp_path, capsys):
         ev.parse_args(_eval_args(tmp_path, [[1, 2]], "--draft", "ngram", "--block", "100000", "--max-new-tokens", "4"))
     assert exc.value.code == 2 and "argument --block: 100000 is more than 1024" in capsys.readouterr().err
     with pytest.raises(ValueError, match=r"--draft 'ngram': block size K=100000 is outside 1..1024"):
-        ev._drafts(["ngram@100000"], tiny_cfg, None, 0)
+        loading.load_drafts(["ngram@100000"], tiny_cfg, None, 0)
     with pytest.raises(ValueError, match=r"lookuptree100000:.*a draft tree of 100000 nodes; give 1..1024"):
         load_draft_spec(f"lookuptree100000:{tmp_path / 'no-such.npz'}", tiny_cfg)
     with pytest.raises(ValueError, match=r"a draft tree of 5000 nodes; give 1..1024"):
@@ -126,7 +126,7 @@ def test_a_non_utf8_data_file_is_named_with_its_line(tmp_path):
     path = tmp_path / "latin1.jsonl"
     path.write_bytes(b'{"prompt": "fine"}\n{"prompt": "caf\xe9"}\n')
     with pytest.raises(ValueError, match=rf"{path}:2: not UTF-8 \(byte 0xe9 at column 16\)"):
-        ev.dataset_messages(str(path))
+        eval_sets.dataset_messages(str(path))
     with pytest.raises(ValueError, match=rf"{path}:2: not UTF-8"):
         load_conversations(path)
     gz = tmp_path / "cut.jsonl.gz"
@@ -134,7 +134,7 @@ def test_a_non_utf8_data_file_is_named_with_its_line(tmp_path):
 
     gz.write_bytes(gzip.compress(b'{"prompt": "x"}\n' * 1000)[:60])
     with pytest.raises(ValueError, match=rf"{gz}:\d+: a damaged gzip file"):
-        ev.dataset_messages(str(gz))
+        eval_sets.dataset_messages(str(gz))
 
 
 def _reply_file(path, ids, offsets, vocab=512):
@@ -233,7 +233,7 @@ def test_draft_specs_that_name_nothing_are_refused_by_name(tiny_cfg, tmp_path, c
     with pytest.raises(ValueError, match=r"--draft 'tree:': tree: needs a drafter directory"):
         load_draft_spec("tree:", tiny_cfg)
     with pytest.raises(ValueError, match=r"--draft 'ngram@abc': the block size after '@' must be a whole number"):
-        ev._drafts(["ngram@abc"], tiny_cfg, None, 0)
+        loading.load_drafts(["ngram@abc"], tiny_cfg, None, 0)
     with pytest.raises(SystemExit) as exc:
         ev.parse_args(_eval_args(tmp_path, [[1]], "--compare", "ngram", "--max-new-tokens", "4"))
     assert exc.value.code == 2 and "argument --compare: 'ngram' is not a drafter directory" in capsys.readouterr().err

@@ -13,6 +13,7 @@ from conftest import FIXTURES
 from dflash_model.tokenizer import chat_prompt_ids, load_tokenizer
 from dflash_model.weights import load_target
 from infer import eval as ev
+from infer import eval_sets, loading, measure
 from infer.loading import load_draft_spec
 from infer.plain import greedy_generate
 
@@ -33,7 +34,7 @@ def test_turn_two_is_asked_after_the_targets_own_greedy_answer(chat_target):
     cfg, model = load_target(chat_target)
     tok = load_tokenizer(chat_target)
     rows = [{"id": "q", "text": "Hi there"}, {"id": "q/turn2", "text": "And again?", "earlier_turns": ["Hi there"]}]
-    got = ev.answer_earlier_turns(model, tok, rows, max_new_tokens=6)
+    got = eval_sets.answer_earlier_turns(model, tok, rows, max_new_tokens=6)
     answer = tok.decode(greedy_generate(model, [chat_prompt_ids(tok, "Hi there")], 6)[0], skip_special_tokens=True)
     assert got[0] == rows[0]
     assert got[1] == {
@@ -45,14 +46,14 @@ def test_turn_two_is_asked_after_the_targets_own_greedy_answer(chat_target):
         ],
     }
     with pytest.raises(ValueError, match="a later turn, encoded before its earlier turns were answered"):
-        ev.encode(rows, tok)
+        eval_sets.encode(rows, tok)
 
 
 def test_zlab_names_its_five_sets_at_their_published_counts():
-    assert ev.dataset_names("zlab") == ["gsm8k", "math500", "humaneval", "mbpp", "mtbench"]
-    assert ev.dataset_names("gsm8k,humaneval") == ["gsm8k", "humaneval"]
+    assert eval_sets.dataset_names("zlab") == ["gsm8k", "math500", "humaneval", "mbpp", "mtbench"]
+    assert eval_sets.dataset_names("gsm8k,humaneval") == ["gsm8k", "humaneval"]
     args = ev.parse_args(["--target", "t", "--draft", "ngram", "--dataset", "zlab", "--out", "o"])
-    assert [ev._set_limit(args, n, True) for n in ev.dataset_names("zlab")] == [128, 128, 164, 128, 80]
+    assert [ev._set_limit(args, n, True) for n in eval_sets.dataset_names("zlab")] == [128, 128, 164, 128, 80]
     assert ev._set_limit(args, "gsm8k", False) is None  # one set: all of it unless --limit
     assert args.prompt_style == "zlab" and args.temperature == 0.0 and args.batch_size == 1
 
@@ -116,8 +117,8 @@ def test_batch_two_equals_batch_one_under_greedy():
     draft = load_draft_spec("ngram", cfg, 4)
     prompts = [PROMPT, PROMPT[3:] + PROMPT, [9, 8, 7, 9, 8, 7, 1]]  # an odd count: the last batch is padded
     kw = dict(max_new_tokens=10, progress=False, profiles=[])
-    one = ev.run_comparison(model, [draft], prompts, **kw)["ngram"]
-    two = ev.run_comparison(model, [draft], prompts, batch_size=2, **kw)["ngram"]
+    one = measure.run_comparison(model, [draft], prompts, **kw)["ngram"]
+    two = measure.run_comparison(model, [draft], prompts, batch_size=2, **kw)["ngram"]
     assert two["batch_size"] == 2 and "tokens/s is the whole batch's" in two["timing"]
     for a, b in zip(one["per_prompt"], two["per_prompt"], strict=True):
         assert a["plain_tokens"] == b["plain_tokens"] and a["spec_tokens"] == b["spec_tokens"]
@@ -129,11 +130,11 @@ def test_compare_adds_ngram_at_the_drafters_own_k(tmp_path):
     drafter = tmp_path / "d"
     drafter.mkdir()
     (drafter / "config.json").write_text(json.dumps({"block_size": 16}))
-    specs = ev.compare_specs(str(drafter))
+    specs = loading.compare_specs(str(drafter))
     assert specs[:3] == ["ngram@8", "ngram-K16=ngram@16", "adaptive:ngram@16"]
-    assert ev.compare_specs(str(drafter), 8)[:2] == ["ngram@8", "adaptive:ngram@16"]  # --block 8: one n-gram
+    assert loading.compare_specs(str(drafter), 8)[:2] == ["ngram@8", "adaptive:ngram@16"]  # --block 8: one n-gram
     cfg, _ = load_target(FIXTURES / "tiny_qwen3")
-    drafts = ev._drafts(specs[:2], cfg, None, 0)
+    drafts = loading.load_drafts(specs[:2], cfg, None, 0)
     assert [(d.name, d.block_size) for d in drafts] == [("ngram", 8), ("ngram-K16", 16)]
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from infer import eval as ev
-from infer import metrics
+from infer import measure, metrics, report
 from infer.loading import Draft
 from infer.projection import HEADLINE_PROFILE, PROFILE_DIR, Profile, available_profiles, load_profiles, project
 from infer.proposers import NGramProposer
@@ -148,7 +148,9 @@ def test_project_reads_widths_and_drafter_flags_from_the_records_and_refuses_by_
 
 
 def test_summarize_reports_every_new_key():
-    rep = ev.summarize(_records(), Draft("dflash", _Drafter(), None, K), max_new_tokens=16, profiles={"flat": FLAT})
+    rep = measure.summarize(
+        _records(), Draft("dflash", _Drafter(), None, K), max_new_tokens=16, profiles={"flat": FLAT}
+    )
     assert rep["tau"] == rep["tau_pooled"] == 3.0 and rep["tau_headline"] == "tau_pooled"
     assert rep["tau_per_prompt"] == pytest.approx(17 / 6)
     assert rep["survival"] == rep["acceptance_unconditional"] == [4 / 5, 2 / 5, 2 / 5, 1 / 5, 1 / 5]
@@ -156,10 +158,10 @@ def test_summarize_reports_every_new_key():
     assert rep["projected_speedup"] == {"flat": pytest.approx(3.0 / 1.7)}
     assert "tau_pooled" in rep["tau_note"] and "not a timing" in rep["projection_note"]
     # An n-gram decoder on the same rounds is projected with no drafter forward.
-    ngram = ev.summarize(_records(), Draft("ngram", NGramProposer(), None, K), 16, profiles={"flat": FLAT})
+    ngram = measure.summarize(_records(), Draft("ngram", NGramProposer(), None, K), 16, profiles={"flat": FLAT})
     assert ngram["projected_speedup"] == {"flat": 3.0}
     # Default: every committed profile.
-    assert set(ev.summarize(_records(), Draft("ngram", NGramProposer(), None, K), 16)["projected_speedup"]) == set(
+    assert set(measure.summarize(_records(), Draft("ngram", NGramProposer(), None, K), 16)["projected_speedup"]) == set(
         available_profiles()
     )
 
@@ -214,7 +216,7 @@ def test_strict_json_writes_nan_and_infinity_as_null():
         "n": 3,
     }
     # A real report: a position no round reached has a NaN conditional rate and the projection a refusal.
-    rep = ev.summarize(_records(widths=[[6, 6, 200], [6, 6]]), Draft("dflash", _Drafter(), None, 8), 16)
+    rep = measure.summarize(_records(widths=[[6, 6, 200], [6, 6]]), Draft("dflash", _Drafter(), None, 8), 16)
     assert math.isnan(rep["acceptance_conditional"][-1]) and math.isnan(rep["projected_speedup"]["this-machine"])
     saved = _strict_loads(metrics.strict_dumps(rep, indent=1))
     assert saved["acceptance_conditional"][-1] is None and saved["projected_speedup"]["this-machine"] is None
@@ -223,9 +225,9 @@ def test_strict_json_writes_nan_and_infinity_as_null():
 
 def test_tables_and_plot_show_both_taus_and_the_projections(tmp_path):
     profiles = load_profiles()
-    wide = ev.summarize(_records(), Draft("dflash", _Drafter(), None, 64), 16, profiles=profiles)
-    reports = {"dflash": wide, "ngram": ev.summarize(_records(), Draft("ngram", NGramProposer(), None, K), 16)}
-    table = ev.format_comparison(reports)
+    wide = measure.summarize(_records(), Draft("dflash", _Drafter(), None, 64), 16, profiles=profiles)
+    reports = {"dflash": wide, "ngram": measure.summarize(_records(), Draft("ngram", NGramProposer(), None, K), 16)}
+    table = report.format_comparison(reports)
     assert "| tau [95%] | tau/prompt | tau, z-lab |" in table and "projected, tpu-v5p" in table
     assert "speedup, measured" in table
     p = profiles["tpu-v5p"]
@@ -234,15 +236,15 @@ def test_tables_and_plot_show_both_taus_and_the_projections(tmp_path):
     lo, hi = wide["projected_speedup_ci"]["tpu-v5p"]
     assert lo < v5p < hi and f"| {v5p:.2f}x [{lo:.2f}, {hi:.2f}] | h100 " in table
     assert "tau (the headline) = tau_pooled" in table and f"| {wide['tau']:.3f} [" in table
-    single = ev.format_table(wide)
+    single = report.format_table(wide)
     assert "tau (committed tokens per round" in single and "| tau per prompt" in single
     assert f"| projected speedup, tpu-v5p profile (not a timing) | {v5p:.2f}x [" in single
     assert "| survival S_j" in single and "| conditional P(j" in single
     # Read back from a strict eval.json (None where a rate was NaN), the tables and plots still draw.
     saved = _strict_loads(metrics.strict_dumps(reports))
-    assert ev.format_comparison(saved).count("\n") == table.count("\n")
-    ev.plot_comparison(saved, tmp_path / "acceptance.png", title="survival")
-    ev.plot_acceptance(saved["dflash"], tmp_path / "one.png")
+    assert report.format_comparison(saved).count("\n") == table.count("\n")
+    report.plot_comparison(saved, tmp_path / "acceptance.png", title="survival")
+    report.plot_acceptance(saved["dflash"], tmp_path / "one.png")
     assert (tmp_path / "acceptance.png").stat().st_size > 1000 and (tmp_path / "one.png").stat().st_size > 1000
 
 

@@ -103,3 +103,22 @@ def test_no_train_module_shadows_a_package():
     (train/data.py once hid `data`)."""
     shadowing = sorted(f.stem for f in (REPO / "train").glob("*.py") if (REPO / f.stem / "__init__.py").is_file())
     assert not shadowing, f"train/ modules named like a top-level package: {shadowing}"
+
+
+def test_evaluation_is_a_library_a_report_and_a_thin_command():
+    """infer/measure.py measures, infer/report.py writes and formats, infer/eval.py is the command: each under 400
+    lines, the library imports neither of the others, the report not the command, and no module but the command's
+    own tests imports the command (the end-of-run eval and the teacher-forced command use the library)."""
+    layers = ["infer/eval_sets.py", "infer/measure.py", "infer/report.py", "infer/eval.py"]
+    for rel in layers:
+        lines = (REPO / rel).read_text().count("\n")
+        assert lines < 400, f"{rel} has {lines} lines"
+    assert not _imported_modules(REPO / "infer/measure.py", "infer") & {"infer.report", "infer.eval"}
+    assert "infer.eval" not in _imported_modules(REPO / "infer/report.py", "infer")
+    users = {
+        str(f.relative_to(REPO))
+        for package in [*ORDER, "tools"]
+        for f in (REPO / package).rglob("*.py")
+        if "infer.eval" in _imported_modules(f, "infer")
+    }
+    assert not users, f"these import the eval command instead of infer.measure / infer.report: {sorted(users)}"

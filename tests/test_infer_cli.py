@@ -9,7 +9,7 @@ from conftest import FIXTURES, REPO
 
 from dflash_model.weights import load_target
 from infer import eval as ev
-from infer import generate
+from infer import eval_sets, generate, loading, measure, report
 from infer.engine import Engine
 from infer.loading import Draft, load_draft_spec
 from infer.plain import greedy_generate
@@ -48,13 +48,13 @@ def test_generate_cli_json(tiny, capsys):
 
 def test_acceptance_statistics():
     """tau, histogram, unconditional and conditional per-position acceptance from committed lengths."""
-    s = ev.acceptance_stats([1, 3, 4, 2], k=4)  # accepted drafts a = 0, 2, 3, 1
+    s = measure.acceptance_stats([1, 3, 4, 2], k=4)  # accepted drafts a = 0, 2, 3, 1
     assert s["rounds"] == 4 and s["tau"] == 2.5
     assert s["tau_histogram"] == {"1": 1, "2": 1, "3": 1, "4": 1}
     assert s["acceptance_unconditional"] == [3 / 4, 2 / 4, 1 / 4]
     assert s["acceptance_conditional"] == [3 / 4, 2 / 3, 1 / 2]
     # No rounds at all (every answer ended at the prefill's token) gives NaN, not a crash.
-    assert math.isnan(ev.acceptance_stats([], k=3)["tau"])
+    assert math.isnan(measure.acceptance_stats([], k=3)["tau"])
 
 
 @pytest.mark.long
@@ -123,7 +123,7 @@ def test_eval_compares_adaptive_and_fixed_with_repeats(tmp_path):
     fixed, adaptive = rep["ngram"]["costs_ms"]["ngram"], rep["adaptive-ngram"]["costs_ms"]["adaptive-ngram"]
     assert fixed["verify_ms_measured"][0] == adaptive["verify_ms_measured"][2] >= 0
     assert "| adaptive-ngram | 4 |" in (out / "table.md").read_text()
-    assert ev.compare_specs("D") == [
+    assert loading.compare_specs("D") == [
         "ngram@8",
         "adaptive:ngram@16",
         "D",
@@ -153,14 +153,14 @@ def test_eval_counts_lossless_mismatches():
             "spec_decode_s": 1.0,
         },
     ]
-    rep = ev.summarize(recs, Draft("ngram", NGramProposer(), None, 2), max_new_tokens=4)
+    rep = measure.summarize(recs, Draft("ngram", NGramProposer(), None, 2), max_new_tokens=4)
     assert rep["lossless_mismatches"] == 1
     assert rep["mismatch_examples"][0]["id"] == "b" and rep["mismatch_examples"][0]["first_diff"] == 2
     assert rep["tpot_plain_ms"] == pytest.approx(1e3 * 2.5 / 5) and rep["speedup"] == pytest.approx(5 / 3)
     # Repeats: the set's time per repeat, its median, and the speedup of each repeat (here 5/3, 2.5/2.5, 5/2).
     for r, plain, spec in zip(recs, ([1.0, 1.0, 2.0], [1.5, 1.5, 3.0]), ([0.5, 1.0, 1.0], [1.0, 1.5, 1.0])):
         r["plain_decode_s"], r["spec_decode_s"] = plain, spec
-    rep = ev.summarize(recs, Draft("ngram", NGramProposer(), None, 2), max_new_tokens=4)
+    rep = measure.summarize(recs, Draft("ngram", NGramProposer(), None, 2), max_new_tokens=4)
     assert rep["repeats"] == 3 and rep["speedup_per_repeat"] == pytest.approx([5 / 3, 1.0, 2.5])
     assert rep["tpot_plain_ms"] == pytest.approx(1e3 * 2.5 / 5) and rep["tpot_spec_ms"] == pytest.approx(1e3 * 2.0 / 5)
 
@@ -219,16 +219,22 @@ def test_shipped_drafter_loads_with_its_draft_vocabulary_unless_fullvocab():
         load_draft_spec("fullvocab:ngram", cfg)
     # Two directories, each also over the full vocabulary, in one comparison: the second keeps its prefix.
     other = str(REPO / "drafters" / "smollm2-135m-dflash" / ".." / "smollm2-135m-dflash")
-    names = [d.name for d in ev._drafts([shipped, "fullvocab:" + shipped, other, "fullvocab:" + other], cfg, None, 0)]
+    names = [
+        d.name
+        for d in loading.load_drafts([shipped, "fullvocab:" + shipped, other, "fullvocab:" + other], cfg, None, 0)
+    ]
     assert names == ["dflash", "fullvocab-dflash", "smollm2-135m-dflash", "fullvocab-smollm2-135m-dflash"]
     # One directory at several K: the third is named by its K; NAME=SPEC names a row; a name twice is refused.
     names = [
-        d.name for d in ev._drafts([shipped + "@8", shipped + "@4", shipped, "start@2=" + shipped + "@2"], cfg, None, 0)
+        d.name
+        for d in loading.load_drafts(
+            [shipped + "@8", shipped + "@4", shipped, "start@2=" + shipped + "@2"], cfg, None, 0
+        )
     ]
     assert names == ["dflash", "smollm2-135m-dflash", "smollm2-135m-dflash@16", "start@2"]
-    assert [d.block_size for d in ev._drafts(["a=" + shipped + "@4"], cfg, None, 0)] == [4]
+    assert [d.block_size for d in loading.load_drafts(["a=" + shipped + "@4"], cfg, None, 0)] == [4]
     with pytest.raises(ValueError, match="a second row named 'x'"):
-        ev._drafts(["x=" + shipped, "x=ngram"], cfg, None, 0)
+        loading.load_drafts(["x=" + shipped, "x=ngram"], cfg, None, 0)
 
 
 @pytest.mark.parametrize("bad", ["999999", "-1"])
@@ -252,7 +258,7 @@ def test_prompt_file_rows_keep_unicode_line_separators(tmp_path):
     path = tmp_path / "p.jsonl"
     rows = [{"prompt": "a\u2028b"}, {"question": "c\x85d"}]
     path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
-    assert ev.dataset_messages(str(path)) == [{"id": "p/0", "text": "a\u2028b"}, {"id": "p/1", "text": "c\x85d"}]
+    assert eval_sets.dataset_messages(str(path)) == [{"id": "p/0", "text": "a\u2028b"}, {"id": "p/1", "text": "c\x85d"}]
 
 
 @pytest.mark.parametrize(
@@ -322,11 +328,11 @@ def test_count_flips_finds_the_first_differing_token():
     ends); later tokens are not compared (after a flip the texts go their own ways)."""
     ref = [[5, 6, 7, 8], [5, 6, 7, 8], [1, 2, 3]]
     got = [[5, 6, 7, 8], [5, 6, 9, 9], [1, 2]]
-    flips = ev.count_flips(ref, got)
+    flips = measure.count_flips(ref, got)
     assert flips["identical"] == 1 and flips["first_flip"] == [None, 2, 2] and flips["median_first_flip"] == 2.0
-    assert "2/3" not in ev.format_flips(flips) and "1/3 answers identical" in ev.format_flips(flips)
+    assert "2/3" not in report.format_flips(flips) and "1/3 answers identical" in report.format_flips(flips)
     with pytest.raises(ValueError):
-        ev.count_flips(ref, got[:2])  # one answer per prompt on both sides
+        measure.count_flips(ref, got[:2])  # one answer per prompt on both sides
 
 
 @pytest.mark.long

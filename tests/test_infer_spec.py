@@ -128,6 +128,19 @@ def test_greedy_ngram_equals_plain_greedy(family, k):
     assert len(stopped[1].tokens) <= 10
 
 
+def test_the_decode_plan_is_one_frozen_value():
+    """An engine's shape and strategy are one frozen DecodePlan (the jit's static argument), not a dict that can be
+    changed under it: a change is a new plan (`dataclasses.replace`), as `calibrate` makes one."""
+    import dataclasses
+
+    engine = Engine(_target("qwen3"), NGramProposer(), block_size=4, max_new_tokens=8, adaptive=True)
+    assert not hasattr(engine, "static")
+    assert (engine.plan.k, engine.plan.max_new, engine.plan.widths, engine.block_size) == (4, 8, (1, 2, 4), 4)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        engine.plan.k = 16
+    assert hash(engine.plan) == hash(dataclasses.replace(engine.plan))  # hashable: a static argument
+
+
 def test_batch_one_and_plain_engine():
     """Rows alone (batch 1) give the batch's tokens; proposer none with K=1 is plain decoding on this engine."""
     prompts = _prompts()
@@ -255,7 +268,7 @@ def test_a_round_cut_at_the_budget_or_a_stop_counts_what_it_output():
     """A K=16 drafter that is always right, 24 new tokens: the prefill gives 1, round 1 commits 16, round 2 has room
     for 7 of its 16. tau counts 23 tokens over 2 rounds (11.5); z-lab's count, 16 + 16 over 2 rounds (16.0), is
     kept beside it. With a stop token at reply position p <= 16, the one round commits p tokens, not 16."""
-    from infer import eval as ev
+    from infer import measure
     from infer.loading import Draft
 
     prompts = _prompts(seed=1)
@@ -283,7 +296,7 @@ def test_a_round_cut_at_the_budget_or_a_stop_counts_what_it_output():
         }
         for i, g in enumerate(out)
     ]
-    rep = ev.summarize(records, Draft("oracle", engine.proposer, params, 16), MAX_NEW)
+    rep = measure.summarize(records, Draft("oracle", engine.proposer, params, 16), MAX_NEW)
     assert rep["tau"] == pytest.approx(11.5) and rep["tau_per_prompt"] == pytest.approx(11.5)
     assert rep["tau"] == pytest.approx(rep["decode_tokens_spec"] / rep["rounds"])
     assert rep["tau_zlab"] == pytest.approx(16.0)
@@ -561,8 +574,11 @@ def test_adaptive_decode_loop_copies_no_cache():
         if adaptive:
             engine.costs = {"widths": [1, 2, 4, 8], "verify_ms": [1.0, 1.1, 1.3, 1.8], "draft_ms": 0.5}
         state = engine.prefill(*engine.inputs(_prompts()))
-        static = engine.static
-        hlo = spec._decode.lower(engine.target, engine.proposer, engine.params, state, **static).compile().as_text()
+        hlo = (
+            spec._decode.lower(engine.target, engine.proposer, engine.params, state, plan=engine.plan)
+            .compile()
+            .as_text()
+        )
         shape = ",".join(map(str, state.cache.k.shape))
         copies = re.findall(rf"= f32\[{shape}\]\S* copy\(", hlo)
         assert re.search(rf"f32\[{shape}\]", hlo) and not copies, (adaptive, len(copies))
@@ -746,8 +762,8 @@ def test_lookup_tree_size_is_chosen_from_the_prior_over_measured_costs():
         assert TRACES[f"tree@{want}"] - before == 1
         assert all(w == want + 1 for g in gens for w in g.verify_widths)
     # In an eval: the report names the size decoded with, its acceptance table as deep as that tree.
-    from infer.eval import run_comparison
     from infer.loading import Draft
+    from infer.measure import run_comparison
 
     draft = Draft("lookuptree-auto", LookupTreeProposer(), index, 7, tree_prior={3: 1000.0, 6: 1.0})
     rep = run_comparison(target, [draft], prompts, max_new_tokens=MAX_NEW, progress=False)["lookuptree-auto"]

@@ -11,7 +11,7 @@ tests/test_tau_rises.py and tests/test_learns_context.py.
   3. `Trainer.train()`. sim_tau of the first step (the untrained drafter: metrics are computed before the update)
      against the mean of the last ten, from metrics.jsonl; and sim_tau of both drafters on held-out records.
   4. Real tau: both drafters exported in the z-lab format and read back with `infer.loading.load_draft_spec` (what
-     `python -m infer.eval --draft DIR` does), then `infer.eval.run_comparison` on the held-out prompts with
+     `python -m infer.eval --draft DIR` does), then `infer.measure.run_comparison` on the held-out prompts with
      n-gram lookup as a reference: greedy, batch 1, lossless check against plain decoding.
 
 Synthetic tasks (64-token sequences, K=8 blocks, 8 sequences x 16 anchors per step, lr 3e-3 constant):
@@ -43,8 +43,8 @@ from dflash_model.config import preset
 from dflash_model.drafter_weights import export_drafter
 from dflash_model.target import build_target as build_model
 from dflash_model.target import randomize
-from infer.eval import run_comparison
 from infer.loading import Draft, load_draft_spec
+from infer.measure import run_comparison
 from infer.plain import greedy_generate
 from infer.proposers import NGramProposer
 from train.config import load_config

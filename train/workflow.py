@@ -27,11 +27,13 @@ from dflash_model.files import atomic_write_bytes, atomic_write_text, cache_root
 from dflash_model.target import is_maxtext
 from dflash_model.tokenizer import load_tokenizer, stop_token_ids
 from infer.agreement import compare, format_agreement, teacher_forced
-from infer.eval import dataset_messages, encode, format_comparison, format_table, plot_comparison, run_comparison
+from infer.eval_sets import dataset_messages, encode
 from infer.intervals import comparisons, format_comparisons
 from infer.loading import dflash_draft, load_draft_spec
+from infer.measure import run_comparison
 from infer.metrics import strict_dumps
 from infer.projection import HEADLINE_PROFILE
+from infer.report import format_comparison, format_table, plot_comparison
 from train.regenerate import first_turn_prompt, pending, regenerate
 
 log = logging.getLogger("dflash.train")

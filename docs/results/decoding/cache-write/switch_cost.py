@@ -8,7 +8,8 @@ first 3 MT-Bench prompts, 256 new tokens; the best of 3 decodes per prompt.
 import sys
 
 from infer.engine import Engine
-from infer.eval import _timed_decode, _warm, dataset_messages, encode
+from infer.eval_sets import dataset_messages, encode
+from infer.measure import timed_batch, warm
 from infer.proposers import NGramProposer
 from infer.target_spec import load_target_spec
 
@@ -23,9 +24,9 @@ for w in (int(x) for x in sys.argv[1:]):
         per = []
         for p in prompts:
             ids, lengths, key = eng.inputs([p])
-            _warm(eng, ids, lengths, key)
-            best = min(_timed_decode(eng, ids, lengths, key)[0] for _ in range(3))
-            gen = _timed_decode(eng, ids, lengths, key)[1]
+            warm(eng, ids, lengths, key)
+            best = min(timed_batch(eng, ids, lengths, key)[0] for _ in range(3))
+            gen = timed_batch(eng, ids, lengths, key)[1][0]
             per.append(1e3 * best / len(gen.accept_lengths))
             assert set(gen.verify_widths) == {w}, set(gen.verify_widths)
         print(f"width {w:2d} {name:8s} ms/round " + " ".join(f"{x:.2f}" for x in per), flush=True)

@@ -13,8 +13,10 @@ import sys
 from pathlib import Path
 
 from dflash_model.tokenizer import stop_token_ids
-from infer.eval import dataset_messages, encode, format_comparison, run_comparison
+from infer.eval_sets import dataset_messages, encode
 from infer.loading import load_draft_spec
+from infer.measure import run_comparison
+from infer.report import format_comparison
 from infer.target_spec import load_target_spec
 
 dataset, limit, repeats, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
