@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import re
 import sys
 from collections.abc import Callable
@@ -47,9 +48,13 @@ def at_least(low: int, high: int | None = None):
 
 
 def non_negative(text: str) -> float:
-    value = float(text)
-    if not value >= 0.0:  # also refuses nan
-        raise argparse.ArgumentTypeError(f"{text} is negative (or not a number)")
+    """argparse type: a finite float >= 0 (nan and inf refused)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (value >= 0.0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"{text} is negative or not a finite number")
     return value
 
 

@@ -271,3 +271,26 @@ def test_train_to_deadline_refuses_a_past_deadline_and_a_directory_holding_a_run
         tool.main(["--deadline", str(time.time() + 3600), *base])
     assert (run_dir / "metrics.jsonl").read_text() == '{"step": 1}\n'  # nothing replaced
     RunLock(run_dir).release()  # and the lock was given back
+
+
+# ---- values, not just types -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("override", ["train.lr=inf", "train.lr=nan", "gamma=.inf", "distill_weight=nan",
+                                      "train.grad_clip=inf", "train.b1=nan"])  # fmt: skip
+def test_non_finite_numbers_are_refused_by_key(override):
+    from train.config import load_config
+
+    key = override.split("=")[0]
+    with pytest.raises(ValueError, match=rf"{key}=.*: must be a finite number"):
+        load_config("tiny", [override])
+
+
+@pytest.mark.parametrize("text", ["inf", "nan", "-0.5", "x"])
+def test_a_temperature_that_cannot_work_is_refused(text):
+    import argparse
+
+    from infer.loading import non_negative
+
+    with pytest.raises(argparse.ArgumentTypeError):
+        non_negative(text)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -259,6 +260,8 @@ def _build(cls, tree, prefix: str):
             continue
         if not _conforms(value, hint):
             raise ValueError(f"{prefix}{key}={value!r}: expected {_type_name(hint)} (configs/base.yml documents it)")
+        if isinstance(value, float) and not math.isfinite(value):  # YAML reads .inf and .nan as numbers
+            raise ValueError(f"{prefix}{key}={value!r}: must be a finite number")
         out[f.name] = tuple(value) if isinstance(value, list) else value
     return cls(**out)
 
