@@ -143,12 +143,27 @@ def step_seconds(run_dir: Path) -> float:
     return statistics.median(times)
 
 
-def labels_per_step(run_dir: Path) -> float:
-    """Mean labelled positions a step of a calibration run (slots whose label lies inside the reply)."""
-    rows = [r for r in _metrics(run_dir) if "valid_labels" in r]
-    if not rows:
-        raise SystemExit(f"{run_dir}/metrics.jsonl: no step with valid_labels")
-    return statistics.mean(r["valid_labels"] for r in rows)
+def steps_for_positions(arm: str, data: Path, runs: Path, lr: float, positions: int) -> int:
+    """The steps after which the arm has trained on at least `positions` labelled positions: its batches' labelled
+    positions counted from the trainer's own pipeline (train.assembly.labelled_positions; no model step), not
+    extrapolated from a few calibration steps, whose rows need not be typical."""
+    from train.assembly import build_run, labelled_positions
+    from train.config import load_config
+    from train.presets import cli_overrides
+
+    name, overrides = cli_overrides(train_overrides(arm, data, lr))
+    scratch = runs / f"count-{arm}"
+    cfg = load_config(name, [*overrides, f"run_dir={scratch}"])
+    run = build_run(cfg, scratch)
+    most = run.batches_per_epoch * int(cfg.train.epochs)
+    counts = labelled_positions(run, most, until=positions)
+    if sum(counts) < positions:
+        raise SystemExit(
+            f"error: {arm}: its {most} batches hold {sum(counts)} labelled positions, fewer than "
+            f"--positions {positions}: lower it or mix more rows"
+        )
+    print(f"{arm}: {len(counts)} steps hold {sum(counts)} labelled positions (>= {positions})", flush=True)
+    return len(counts)
 
 
 def calibrate(arm: str, data: Path, runs: Path, lr: float) -> Path:
@@ -162,19 +177,18 @@ def calibrate(arm: str, data: Path, runs: Path, lr: float) -> Path:
 
 def train_arm(arm: str, data: Path, runs: Path, budget: dict, out: Path, lr: float = FT_LR) -> dict:
     """Train one arm to its budget: {"steps": N}, {"seconds": S} (steps from a calibrated step time) or
-    {"positions": P} (steps from a calibration run's labelled positions a step, so that every arm sees at least P
-    labelled positions whatever its K); its export directory and what it saw, also written to out/arms/ARM.json
-    as soon as it is trained, so a study stopped later keeps every finished arm."""
+    {"positions": P} (the steps whose batches hold at least P labelled positions, counted from the pipeline, so
+    that every arm sees P labelled positions whatever its K); its export directory and what it saw, also written
+    to out/arms/ARM.json as soon as it is trained, so a study stopped later keeps every finished arm."""
     record = out / "arms" / f"{arm}.json"
     s_step = None
     steps = budget.get("steps")
-    if steps is None:
+    if "positions" in budget:
+        steps = steps_for_positions(arm, data, runs, lr, budget["positions"])
+    elif steps is None:
         cal = calibrate(arm, data, runs, lr)
         s_step = step_seconds(cal)
-        if "positions" in budget:
-            steps = max(1, math.ceil(budget["positions"] / labels_per_step(cal)))
-        else:
-            steps = max(1, int(budget["seconds"] / s_step))
+        steps = max(1, int(budget["seconds"] / s_step))
     dest = runs / arm
     export = dest / "export"
     if not (export / "config.json").exists():
@@ -336,8 +350,8 @@ def main(argv=None) -> dict:
         "--positions",
         type=int,
         default=None,
-        help="equal labelled positions per arm (each arm's steps from its calibration run's labelled positions a "
-        "step); takes the place of --train-minutes and --steps",
+        help="equal labelled positions per arm (each arm trains the steps whose batches hold that many, counted from "
+        "the training pipeline); takes the place of --train-minutes and --steps",
     )
     ap.add_argument("--lr", type=float, default=FT_LR, help=f"every fine-tuned arm's learning rate ({FT_LR})")
     args = ap.parse_args(argv)

@@ -528,3 +528,22 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path):
         [sys.executable, str(REPO / "train" / "run.py"), "--help"], cwd=REPO, capture_output=True, text=True
     )
     assert helped.returncode == 0 and "--config" in helped.stdout and "--block" in helped.stdout
+
+
+def test_labelled_positions_are_counted_as_the_step_counts_them(tmp_path):
+    """train.assembly.labelled_positions, counted from the pipeline with no model step, equals the valid_labels each
+    trained step logs, batch for batch (a draft vocabulary and a loss_positions cut included), so a budget of
+    labelled positions can be met exactly."""
+    import json
+
+    from train.assembly import build_run, labelled_positions
+
+    over = ["train.steps=4", "checkpoint.every_steps=100", "log.tensorboard=false", "draft_vocab=64",
+            "loss_positions=5"]  # fmt: skip
+    cfg = load_config("tiny", [f"run_dir={tmp_path / 'run'}", *over])
+    counted = labelled_positions(build_run(load_config("tiny", [f"run_dir={tmp_path / 'count'}", *over]),
+                                           tmp_path / "count"), 4)  # fmt: skip
+    tr = Trainer(cfg)
+    tr.train()
+    logged = [json.loads(line)["valid_labels"] for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert counted == logged and len(set(counted)) > 1 and min(counted) > 0

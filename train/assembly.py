@@ -25,6 +25,7 @@ from dflash_model.tokenizer import load_tokenizer
 from dflash_model.weights import load_target
 from train.batches import build_train_dataset
 from train.features import open_or_build
+from train.objective import block_labels, loss_slots, restrict_vocab
 from train.starts import init_draft_vocab, start_drafter
 
 
@@ -224,3 +225,29 @@ def resolve_mesh(cfg, devices=None):
     if n > len(devices):
         raise ValueError(f"mesh {m} needs {n} devices; {len(devices)} available")
     return shd.make_mesh(m["data"], m["fsdp"], m["tensor"], devices=devices[:n])
+
+
+def labelled_positions(run: Run, steps: int, until: int | None = None) -> list[int]:
+    """The labelled positions of each of a run's first `steps` batches (fewer where their sum reaches `until`),
+    counted from its own pipeline (the rows, the anchors and the draft vocabulary the trainer's steps see, in the
+    same order) with no model step: what the step logs as `valid_labels`. A budget of labelled positions is met by
+    counting them, not by extrapolating a few calibration steps (rows differ in length: the first 5 rows of one mix
+    held 1,821 a step, its first 138 1,355)."""
+    cfg = run.cfg
+    if cfg.data.labels == "target":
+        raise ValueError("labelled_positions counts text labels; data.labels=target needs the target's forward")
+    k = int(cfg.block_size)
+    slots = loss_slots(k, None if cfg.loss_positions is None else int(cfg.loss_positions))
+    counts, batches = [], iter(run.dataset)
+    for _ in range(steps):
+        b = next(batches)
+        labels, valid = block_labels(
+            jnp.asarray(b["input_ids"]), jnp.asarray(b["loss_mask"]), jnp.asarray(b["anchors"]), k
+        )
+        labels, valid = labels[:, :, 1:slots], valid[:, :, 1:slots]
+        if run.vocab_ids is not None:
+            labels, valid = restrict_vocab(labels, valid, run.vocab_ids, run.target_cfg.vocab_size)
+        counts.append(int(jnp.sum(valid)))
+        if until is not None and sum(counts) >= until:
+            break
+    return counts
