@@ -294,3 +294,22 @@ def test_a_temperature_that_cannot_work_is_refused(text):
 
     with pytest.raises(argparse.ArgumentTypeError):
         non_negative(text)
+
+
+def test_a_full_disk_keeps_the_earlier_file_and_names_the_path(tmp_path, monkeypatch, capsys):
+    """A write that fails for want of space (simulated: os.fsync raises ENOSPC) leaves the earlier file whole, no
+    temporary file beside it, and the one error line names the file."""
+    from dflash_model import files
+
+    out = tmp_path / "eval.json"
+    files.atomic_write_text(out, '{"tau": 2.0}')
+
+    def full(_fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(files.os, "fsync", full)
+    with pytest.raises(SystemExit) as e:
+        run_main(lambda _argv: files.atomic_write_text(out, '{"tau": 3.0}'))
+    assert e.value.code == INPUT_ERROR_EXIT
+    assert f"error: {out}: No space left on device" in capsys.readouterr().err
+    assert out.read_text() == '{"tau": 2.0}' and [p.name for p in tmp_path.iterdir()] == ["eval.json"]
