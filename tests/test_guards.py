@@ -286,6 +286,17 @@ def test_non_finite_numbers_are_refused_by_key(override):
         load_config("tiny", [override])
 
 
+@pytest.mark.parametrize(
+    "override, said",
+    [("drafter.target_layer_ids=[1,1]", "a layer named twice"), ("eval.also_blocks=[8,8]", "a block size named twice")],
+)
+def test_entries_that_must_be_distinct_are_refused(override, said):
+    from train.config import load_config
+
+    with pytest.raises(ValueError, match=said):
+        load_config("tiny", ["drafter.n_features=2", override] if "layer_ids" in override else [override])
+
+
 @pytest.mark.parametrize("text", ["inf", "nan", "-0.5", "x"])
 def test_a_temperature_that_cannot_work_is_refused(text):
     import argparse

@@ -332,6 +332,10 @@ def _check_drafter(d: Drafter, draft_vocab) -> None:
             f"drafter.target_layer_ids={list(d.target_layer_ids)} has {len(d.target_layer_ids)} "
             f"layers but drafter.n_features={d.n_features}: set them to agree"
         )
+    if d.target_layer_ids is not None and len(set(d.target_layer_ids)) < len(d.target_layer_ids):
+        raise ValueError(
+            f"drafter.target_layer_ids={list(d.target_layer_ids)}: a layer named twice (each feature is one layer)"
+        )
     init_is_dir = start_of(d.init) == "directory"  # the other starts build a drafter, load none
     if d.init_layers is not None and not init_is_dir:
         raise ValueError(
@@ -354,6 +358,8 @@ def _check_eval(e: Eval, block_size: int) -> None:
     bad = [k for k in e.also_blocks if not 2 <= k <= eval_k]
     if bad:
         raise ValueError(f"eval.also_blocks={list(e.also_blocks)}: {bad[0]!r} is not a block size in 2..{eval_k}")
+    if len(set(e.also_blocks)) < len(e.also_blocks):
+        raise ValueError(f"eval.also_blocks={list(e.also_blocks)}: a block size named twice")
 
 
 def _check_late_files(cfg: RunConfig) -> None:
