@@ -8,8 +8,10 @@ censored survival: the tokens a round starting at a uniformly chosen reply posit
 A - B with a 95% paired bootstrap over prompts: one set of resampled prompts serves both drafters, so what the
 prompts share cancels. A slot past which every block ran off its reply has no survival estimate; tau counts it as
 0 (a lower bound, reached only by wide blocks near a reply's end). Drafters of different K are compared on tau,
-the committed tokens a round of each buys; what that round costs is the projection's business
-(infer/projection.py), not this script's.
+the committed tokens a round of each buys, and with --profiles on what a round of each costs too: the projected
+speedup tau / (verify(K) + the drafter's forward(K)) in plain decode steps on each named profile
+(infer/projection.py; the roofline profiles price a Qwen3-8B-sized target, batch 1), paired the same way. A
+projection, not a timing.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ sys.path.insert(0, str(ROOT))
 from dflash_model.files import atomic_write_text, check_out_dir  # noqa: E402
 from infer.agreement import resampled_survival  # noqa: E402
 from infer.intervals import LEVEL, MIN_PROMPTS, _interval, resamples  # noqa: E402
-from infer.metrics import strict_dumps  # noqa: E402
+from infer.metrics import round_costs, strict_dumps  # noqa: E402
+from infer.projection import load_profiles  # noqa: E402
 
 SLOTS = 3
 
@@ -49,8 +52,15 @@ def _tau(result: dict) -> float:
     return 1.0 + sum(x for x in result["survival"] if x is not None)
 
 
-def compare_set(a: dict, b: dict, ka: int, kb: int, name: str) -> dict:
-    """A - B on tau and S_1..S_3 for one set, paired over its prompts."""
+def round_cost(profile, k: int) -> float:
+    """Plain decode steps a round of width K with a drafter forward costs on `profile`."""
+    return round_costs([k], [True], verify_cost=profile.verify_cost, draft_cost=profile.draft_cost,
+                       name=profile.name)[0]  # fmt: skip
+
+
+def compare_set(a: dict, b: dict, ka: int, kb: int, name: str, profiles: dict | None = None) -> dict:
+    """A - B on tau and S_1..S_3 for one set, paired over its prompts; with profiles, on each one's projected
+    speedup (tau over the round cost at each drafter's K) too."""
     pa, pb = a["per_prompt"], b["per_prompt"]
     if [(p["id"], p["reply"]) for p in pa] != [(p["id"], p["reply"]) for p in pb]:
         raise SystemExit(f"error: set {name}: the two runs hold different prompts or replies (use --replies)")
@@ -63,6 +73,10 @@ def compare_set(a: dict, b: dict, ka: int, kb: int, name: str) -> dict:
     measures = {"tau": (1 + np.nansum(sa, axis=1), 1 + np.nansum(sb, axis=1), _tau(a), _tau(b))}
     for j in range(SLOTS):
         measures[f"S_{j + 1}"] = (sa[:, j], sb[:, j], a["survival"][j], b["survival"][j])
+    for pname, profile in (profiles or {}).items():
+        ca, cb = round_cost(profile, ka), round_cost(profile, kb)
+        ta, tb, point_a, point_b = measures["tau"]
+        measures[f"projected@{pname}"] = (ta / ca, tb / cb, point_a / ca, point_b / cb)
     for key, (ra, rb, point_a, point_b) in measures.items():
         lo, hi = _interval(ra - rb, LEVEL)
         resolved = len(pa) >= MIN_PROMPTS and (lo > 0 or hi < 0)
@@ -72,12 +86,14 @@ def compare_set(a: dict, b: dict, ka: int, kb: int, name: str) -> dict:
 
 
 def table(result: dict, name_a: str, name_b: str) -> str:
+    projected = [k for k in next(iter(result.values())) if k.startswith("projected@")]
     lines = [
         f"A = {name_a}, B = {name_b}; teacher-forced, blocks at every reply position; A - B with its 95% paired "
         "bootstrap interval over prompts ('*': resolved, the interval excludes 0)",
         "",
-        "| set | prompts | blocks A / B | tau A | tau B | tau A - B | S_1 A - B | S_2 A - B | S_3 A - B |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| set | prompts | blocks A / B | tau A | tau B | tau A - B | S_1 A - B | S_2 A - B | S_3 A - B |"
+        + "".join(f" {k.split('@')[1]}: projected A / B, A - B |" for k in projected),
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(projected),
     ]
     for name, r in result.items():
 
@@ -88,6 +104,7 @@ def table(result: dict, name_a: str, name_b: str) -> str:
         lines.append(
             f"| {name} | {r['prompts']} | {r['blocks'][0]} / {r['blocks'][1]} | {r['tau']['a']:.3f} | "
             f"{r['tau']['b']:.3f} | {cell('tau')} | {cell('S_1')} | {cell('S_2')} | {cell('S_3')} |"
+            + "".join(f" {r[k]['a']:.2f}x / {r[k]['b']:.2f}x, {cell(k)} |" for k in projected)
         )
     return "\n".join(lines)
 
@@ -97,14 +114,20 @@ def main(argv=None) -> dict:
     ap.add_argument("a", type=Path)
     ap.add_argument("b", type=Path)
     ap.add_argument("--out", type=Path, default=None, help="write comparison.md and comparison.json here")
+    ap.add_argument(
+        "--profiles",
+        default="",
+        help="comma-separated profiles to compare projected speedup on too (e.g. tpu-v5p,h200; default none)",
+    )
     args = ap.parse_args(argv)
+    profiles = load_profiles([p for p in args.profiles.split(",") if p]) if args.profiles else {}
     if args.out:
         check_out_dir(args.out, "--out")
     a, b = load(args.a), load(args.b)
     sets = [s for s in a["sets"] if s in b["sets"]]
     if not sets:
         raise SystemExit("error: the two runs share no set")
-    result = {s: compare_set(a["sets"][s], b["sets"][s], a["block_size"], b["block_size"], s) for s in sets}
+    result = {s: compare_set(a["sets"][s], b["sets"][s], a["block_size"], b["block_size"], s, profiles) for s in sets}
     name_a, name_b = (f"{d['draft']} at K={d['block_size']}" for d in (a, b))
     text = table(result, name_a, name_b)
     print(text)

@@ -253,3 +253,25 @@ def test_shipped_drafter_on_held_out_humaneval(tmp_path):
     assert got["prompts"] == 2 and got["blocks"] > 20 and got["survival"][0] > 0.3
     check = got["real"]["rounds_check"]
     assert check["replies_equal"] == 2 and check["rounds_equal"] >= check["rounds"] - 1
+
+
+def test_two_committed_drafters_compare_on_tau_and_projected_speedup():
+    """benchmarks/teacher_forced_compare.py on two committed runs (K=64 against K=16, the same prompts and replies):
+    the projected speedup is each tau over its K's round cost on the profile, paired over the same resamples."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("tfc", REPO / "benchmarks/teacher_forced_compare.py")
+    tfc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tfc)
+    from infer.projection import load_profiles
+
+    base = REPO / "docs/results/teacher-forced"
+    result = tfc.main([str(base / "main-job-k64-at64"), str(base / "shipped"), "--profiles", "tpu-v5p"])
+    v5p = load_profiles(["tpu-v5p"])["tpu-v5p"]
+    for r in result.values():
+        p = r["projected@tpu-v5p"]
+        assert p["a"] == pytest.approx(r["tau"]["a"] / tfc.round_cost(v5p, 64))
+        assert p["b"] == pytest.approx(r["tau"]["b"] / tfc.round_cost(v5p, 16))
+        assert p["low"] <= p["difference"] <= p["high"]
+    gsm8k = result["gsm8k"]["tau"]
+    assert gsm8k["resolved"] and gsm8k["difference"] == pytest.approx(-0.054, abs=5e-4)
