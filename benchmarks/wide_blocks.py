@@ -212,11 +212,18 @@ def train_arm(arm: str, data: Path, runs: Path, budget: dict, out: Path, lr: flo
         "blocks": round(sum(r["anchors_per_s"] * r["step_s"] for r in rows)),
         "labelled_positions": sum(r["valid_labels"] for r in rows),
         "final_loss": rows[-1]["loss"],
-        "export": str(export),
+        "export": _shown(export),
     }
     record.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(record, json.dumps(result, indent=1, allow_nan=False) + "\n")
     return result
+
+
+def _shown(path: Path) -> str:
+    """A path as a committed record shows it: relative to the repository where it is inside it (no path of the
+    machine that ran the study)."""
+    path = Path(path).resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path).replace(str(Path.home()), "~")
 
 
 def widths(k_infer: list[str], k_train: int) -> list[int]:
