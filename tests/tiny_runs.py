@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from trainer_probes import loss_and_metrics
 
 from data.pipeline import TokenizedRecords, build_dataset
 from dflash_model.config import preset
@@ -154,7 +155,7 @@ def heldout_sim_tau(trainer, params, records, seed: int) -> float:
         block_size=int(cfg.block_size),
     )
     batch = {k: jnp.asarray(v) for k, v in next(iter(ds)).items() if k != "index"}
-    fn = jax.jit(lambda p, t, b: trainer.loss_fn(p, t, b)[1]["sim_tau"])
+    fn = jax.jit(lambda p, t, b: loss_and_metrics(trainer, p, t, b)[1]["sim_tau"])
     return float(fn(params, trainer.t_state, batch))
 
 

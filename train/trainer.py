@@ -29,12 +29,11 @@ from dflash_model.drafter_weights import (
     zlab_config,
 )
 from dflash_model.files import local_dir, open_run_dir, pull, push, run_path
-from dflash_model.target import forward
 from train.assembly import EXPORT_LAYOUT, Run, build_run, export_verifier
 from train.batches import kept_anchors
 from train.checkpointing import Checkpoints, trim_metrics
 from train.objective import gamma_of
-from train.step import BATCH_KEYS, Program, make_optimizer, optimizer_shardings, step_loss, train_step
+from train.step import BATCH_KEYS, Program, make_optimizer, optimizer_shardings, train_step
 
 log = logging.getLogger("dflash.train")
 
@@ -241,9 +240,6 @@ class Trainer:
             target_labels=self.target_labels and self.features is None,
         )
 
-    def loss_fn(self, params, t_state, batch, nan_at=-1):
-        return step_loss(self.program(), params, t_state, batch, jnp.zeros((), jnp.int32), nan_at, self.vocab_ids)
-
     def put_batch(self, batch: dict) -> dict:
         """Host numpy batch (this process's rows) -> global arrays sharded over (data, fsdp)."""
         out = {}
@@ -272,17 +268,6 @@ class Trainer:
         if jax.process_count() > 1:
             keep = int(np.max(multihost_utils.process_allgather(np.int32(keep))))
         return anchors_BN[:, :keep]
-
-    def grads(self, batch: dict):
-        """(loss, grads) at the current params on a host batch: for sharding-equivalence checks."""
-        prog = self.program()
-        fn = jax.jit(
-            jax.value_and_grad(
-                lambda p, t, b: step_loss(prog, p, t, b, jnp.zeros((), jnp.int32), -1, self.vocab_ids)[0]
-            )
-        )
-        with jax.set_mesh(self.mesh):
-            return fn(self.state["params"], self.t_state, self.put_batch(batch))
 
     # -- the loop ------------------------------------------------------------------------------------------
 
@@ -458,19 +443,3 @@ class Trainer:
                 rec["step_s"],
                 rec["step_s"] * (self.total_steps - s) / 60,
             )
-
-    def time_target_forward(self, host_batch: dict, repeats: int = 3) -> float:
-        """Seconds of the target forward alone on one batch (for the share of step time it takes)."""
-        fn = jax.jit(
-            lambda t, ids: (
-                forward(
-                    nnx.merge(self.t_graph, t), ids, layer_ids=self.drafter_cfg.target_layer_ids, compute_logits=False
-                ).features
-            )
-        )
-        ids = self.put_batch({"input_ids": host_batch["input_ids"]})["input_ids"]
-        fn(self.t_state, ids).block_until_ready()
-        t0 = time.perf_counter()
-        for _ in range(repeats):
-            fn(self.t_state, ids).block_until_ready()
-        return (time.perf_counter() - t0) / repeats
