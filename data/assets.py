@@ -283,4 +283,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from dflash_model.cli import run_main
+
+    sys.exit(run_main(main))

@@ -107,4 +107,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from dflash_model.cli import run_main
+
+    raise SystemExit(run_main(main))

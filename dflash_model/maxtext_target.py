@@ -242,4 +242,6 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from dflash_model.cli import run_main
+
+    run_main(main)
