@@ -20,7 +20,7 @@ import numpy as np
 from dflash_model.target import config_of
 from infer.adaptive import default_widths, verify_width
 from infer.plain import pad_prompts, truncate_at_stop
-from infer.proposers import NoProposer
+from infer.proposers import DraftsTop, GrowsTree, NoProposer, Scores, WrapsDrafter
 from infer.spec import (
     MAX_BLOCK,
     MAX_TREE_NODES,
@@ -60,7 +60,7 @@ def _probe_draft(target, proposer, params, st, reps, *, k, nodes=None):
     def body(i, acc):
         # The last token varies with i so that the loop body cannot be hoisted out as loop-invariant.
         history = st.history.at[jnp.arange(st.n.shape[0]), st.n - 1].add(i)
-        if nodes is not None and hasattr(proposer, "propose_tree"):
+        if nodes is not None and isinstance(proposer, GrowsTree):
             return acc + jnp.sum(proposer.propose_tree(params, target, st.draft, history, st.n, k, nodes)[1].token)
         return acc + jnp.sum(proposer.propose(params, target, st.draft, history, st.n, k))
 
@@ -115,7 +115,7 @@ def checked_tree_prior(prior) -> dict[int, float]:
 
 
 def _check_tree_prior(proposer, tree_nodes, adaptive) -> None:
-    if not hasattr(proposer, "propose_tree"):
+    if not isinstance(proposer, GrowsTree):
         raise ValueError(
             "a tree size chosen at start-up (tree_prior) needs a proposer that grows its own tree (a lookup "
             f"tree), not {proposer.name}"
@@ -137,18 +137,18 @@ def _check_scalars(proposer, block_size, max_new_tokens, temperature) -> None:
 
 def _tree_shape(proposer, k, widths, tree_nodes, tree_top) -> tuple[int, int] | None:
     """(nodes, top) of a tree round, checked against the proposer and the adaptive widths; None for a chain."""
-    if tree_nodes is None and hasattr(proposer, "propose_tree") and not hasattr(proposer, "propose_scored"):
+    if tree_nodes is None and isinstance(proposer, GrowsTree) and not isinstance(proposer, Scores):
         raise ValueError(f"the {proposer.name} proposer drafts trees only: give tree_nodes")
     if tree_nodes is None:
         return None
-    if widths is not None and not hasattr(proposer, "propose_tree"):
+    if widths is not None and not isinstance(proposer, GrowsTree):
         raise ValueError(
             "a DDTree sets its own width (its nodes): tree_nodes and adaptive exclude each other; an "
             "adaptive tree needs a proposer that scores its nodes (propose_tree)"
         )
     if widths is not None and widths[-1] > tree_nodes + 1:
         raise ValueError(f"adaptive tree widths must be at most its nodes + 1 = {tree_nodes + 1}, got {widths}")
-    if not (hasattr(proposer, "propose_top") or hasattr(proposer, "propose_tree")):
+    if not isinstance(proposer, (DraftsTop, GrowsTree)):
         raise ValueError(
             f"a draft tree needs per-position distributions or a tree; the {proposer.name} proposer has neither"
         )
@@ -329,7 +329,9 @@ class Engine:
             verify_ms.append(known[1][shape])
         # The cost of the model forward a round may pay: a hybrid's is its drafter's; a lookup is nearly free.
         model, params = (
-            self.proposer.drafter(self.params) if hasattr(self.proposer, "drafter") else (self.proposer, self.params)
+            self.proposer.drafter(self.params)
+            if isinstance(self.proposer, WrapsDrafter)
+            else (self.proposer, self.params)
         )
         draft_ms = 0.0
         if k > 1:

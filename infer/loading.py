@@ -198,7 +198,7 @@ def _replies_hybrid(m, c: _Ctx) -> Draft:
 def _tree(m, c: _Ctx) -> Draft:
     nodes = _tree_nodes(c.spec, m[1] or TREE_NODES)  # before the drafter loads
     inner = c.inner(m[2])
-    if not hasattr(inner.proposer, "propose_top"):
+    if not isinstance(inner.proposer, proposers.DraftsTop):
         raise c.refuse("a draft tree needs a DFlash drafter (a directory or random)")
     return dataclasses.replace(inner, name=f"tree{nodes}-{inner.name}", tree_nodes=nodes)
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from dflash_model.target import forward
 from infer.adaptive import best_rate
-from infer.proposers import DRAFTER, LOOKUP_TREE, Proposal
+from infer.proposers import DRAFTER, LOOKUP_TREE, GrowsTree, Proposal
 from infer.spec import TRACES, DecodePlan, DecodeState, Verified, pad_positions, pick
 from infer.tree import build_tree, walk_tree
 
@@ -29,7 +29,7 @@ def verify_tree(target, proposer, params, st: DecodeState, last_B, key, plan: De
     path's features, a cache whose path entries sit where a sequential verify puts them, the verified width."""
     (nodes, top), k, widths, temperature = plan.tree, plan.k, plan.widths, plan.temperature
     cost_Z = None if widths is None else st.verify_ms_Z + st.draft_ms
-    if hasattr(proposer, "propose_tree"):  # a tree grown node by node (proposers.LookupTreeProposer)
+    if isinstance(proposer, GrowsTree):  # a tree grown node by node (proposers.LookupTreeProposer)
         score_BE, tr = proposer.propose_tree(params, target, st.draft, st.history, st.n, k, nodes)
         chain_BJ = _tree_chain(tr, k)
         # drafted: the tree's build is this proposer's draft cost, paid every round.

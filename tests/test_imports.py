@@ -122,3 +122,14 @@ def test_evaluation_is_a_library_a_report_and_a_thin_command():
         if "infer.eval" in _imported_modules(f, "infer")
     }
     assert not users, f"these import the eval command instead of infer.measure / infer.report: {sorted(users)}"
+
+
+def test_proposer_capabilities_are_protocols_not_attribute_probes():
+    """What a proposer can do is a typing.Protocol of infer/proposers/base.py checked with isinstance (Scores,
+    DraftsTop, GrowsTree, WrapsDrafter), named where it is defined, not a hasattr on a method name."""
+    probes = {
+        str(f.relative_to(REPO)): f.read_text().count("hasattr(")
+        for f in sorted((REPO / "infer").rglob("*.py"))
+        if "hasattr(" in f.read_text()
+    }
+    assert not probes, probes

@@ -10,7 +10,7 @@ Dimension letters: docs/glossary.md (one glossary for the repository).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import flax
 import jax
@@ -66,7 +66,7 @@ class Proposal:
 def scored(proposer, params, target, state, history_BC, n_B, k) -> Proposal:
     """`proposer.propose_scored` where it exists; otherwise its drafts with no confidence (NaN: the engine uses the
     rate it measured), counted as the drafter's, whose forward ran."""
-    if hasattr(proposer, "propose_scored"):
+    if isinstance(proposer, Scores):
         return proposer.propose_scored(params, target, state, history_BC, n_B, k)
     return Proposal.unscored(proposer.propose(params, target, state, history_BC, n_B, k), DRAFTER, True)
 
@@ -76,15 +76,9 @@ def last_tokens(history_BC, n_B):
 
 
 class Proposer(Protocol):
-    """What the engine (infer/engine.py, infer/spec.py) calls on a proposer; optional methods, checked with
-    hasattr, give it more round strategies:
-
-      propose_scored(...as propose...) -> Proposal   drafts with their confidence (an adaptive width's input;
-          `scored` gives proposers without it the defaults)
-      propose_top(...as propose..., top) -> ([B, K-1, top] tokens, [B, K-1, top] log-probs)   a DDTree's input
-      propose_tree(...as propose..., nodes) -> ([B, E] path probabilities, DraftTree)   a tree grown by the
-          proposer itself (the lookup tree), verified instead of one built from propose_top
-    """
+    """What the engine (infer/engine.py, infer/spec.py) calls on a proposer. Optional capabilities, each a protocol
+    below checked with isinstance, give it more round strategies: `Scores` (drafts with their confidence),
+    `DraftsTop` (a DDTree's input), `GrowsTree` (a tree of its own), `WrapsDrafter` (a model forward inside)."""
 
     name: str
     layer_ids: tuple[int, ...]  # target layers whose outputs `observe` receives (() = none needed)
@@ -99,6 +93,35 @@ class Proposer(Protocol):
     def propose(self, params: Any, target: Any, state: Any, history_BC: jax.Array, n_B: jax.Array, k: int) -> jax.Array:
         """[B, k-1] int32 drafts. history_BC[b, :n_B[b]] is the committed sequence; the block to fill is
         [history[b, n_B[b]-1], d_1 .. d_{k-1}] at positions n_B[b]-1 .. n_B[b]+k-2."""
+
+
+@runtime_checkable
+class Scores(Protocol):
+    """Drafts with their confidence, an adaptive width's input (`scored` gives the others NaN: the measured rate)."""
+
+    def propose_scored(self, params, target, state, history_BC, n_B, k) -> Proposal: ...
+
+
+@runtime_checkable
+class DraftsTop(Protocol):
+    """The top tokens at each block position: ([B, K-1, top] tokens, [B, K-1, top] log-probs), a DDTree's input."""
+
+    def propose_top(self, params, target, state, history_BC, n_B, k, top): ...
+
+
+@runtime_checkable
+class GrowsTree(Protocol):
+    """A draft tree grown by the proposer itself (the lookup tree): ([B, E] path probabilities, DraftTree),
+    verified instead of one built from propose_top."""
+
+    def propose_tree(self, params, target, state, history_BC, n_B, k, nodes): ...
+
+
+@runtime_checkable
+class WrapsDrafter(Protocol):
+    """A proposer with a model forward inside (a hybrid): (the model, its params), whose cost a round pays."""
+
+    def drafter(self, params): ...
 
 
 class Stateless:
