@@ -365,13 +365,9 @@ def main(argv=None) -> dict:
     check_args(ap, args)
     out, runs = ROOT / args.out, ROOT / args.runs
     # Both places locked before any work: a second study there would train into the same run directories.
-    locks = [claim_dir(out, key="--out", doing="written by a study", name=".study.lock")]
-    try:
-        locks.append(claim_dir(runs, key="--runs", doing="used by a study", name=".study.lock"))
-        return _study(args, out, runs)
-    finally:
-        for lock in locks:
-            lock.release()
+    with claim_dir(out, key="--out", doing="written by a study", name=".study.lock"):
+        with claim_dir(runs, key="--runs", doing="used by a study", name=".study.lock"):
+            return _study(args, out, runs)
 
 
 def check_args(ap, args) -> None:

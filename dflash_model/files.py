@@ -39,7 +39,7 @@ def atomic_writer(path: str | Path):
         os.replace(tmp, path)
     except OSError as e:
         Path(tmp).unlink(missing_ok=True)
-        if e.filename is None:  # a failed write() names no file: name the one being replaced (a full disk, say)
+        if e.filename is None and e.errno is not None:  # a failed write() names no file: name the one being replaced
             raise OSError(e.errno, e.strerror, str(path)) from e
         raise
     except BaseException:
@@ -127,6 +127,12 @@ class RunLock:
     @property
     def held(self) -> bool:
         return not self._f.closed
+
+    def __enter__(self) -> RunLock:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
 
     def release(self) -> None:
         for other in self.others:

@@ -25,6 +25,7 @@ from tunix.models.llama3 import model as llama3
 from tunix.models.qwen3 import model as qwen3
 
 from dflash_model.config import TargetConfig, jnp_dtype
+from dflash_model.hashing import mix32
 from dflash_model.layers import (
     apply_rope,
     attend,
@@ -88,15 +89,6 @@ def _hidden_size(model: nnx.Module) -> int:
     return int(cfg.hidden_size)
 
 
-def _mix32(x):
-    """A 32-bit integer hash (MurmurHash3's finaliser): every input bit reaches every output bit."""
-    x = x ^ (x >> 16)
-    x = x * jnp.uint32(0x85EBCA6B)
-    x = x ^ (x >> 13)
-    x = x * jnp.uint32(0xC2B2AE35)
-    return x ^ (x >> 16)
-
-
 @functools.cache
 def _random_fn(shape: tuple, dtype, sharding):
     """mean + scale * U (U uniform with unit variance) of `shape`, made in place with `sharding`; cached, since a
@@ -117,7 +109,7 @@ def _random_fn(shape: tuple, dtype, sharding):
         for axis in reversed(range(len(shape))):
             index = index + jax.lax.broadcasted_iota(jnp.uint32, shape, axis) * jnp.uint32(stride)
             stride *= shape[axis]
-        bits = _mix32(_mix32(index ^ seeds_2[0]) ^ seeds_2[1])
+        bits = mix32(mix32(index ^ seeds_2[0]) ^ seeds_2[1])
         unit = ((bits >> 8).astype(jnp.float32) + 0.5) * 2.0**-24 - 0.5  # uniform on (-1/2, 1/2): variance 1/12
         return (mean + scale * math.sqrt(12.0) * unit).astype(dtype)
 

@@ -354,11 +354,8 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     # --out before any work: a file there, a second eval writing there, or a store that cannot be reached is refused
     # now, not after the decoding. A gs:// --out is written locally, then mirrored there (dflash_model.files.push).
-    lock = claim_dir(args.out, key="--out", doing="written by an eval", name=".eval.lock")
-    try:
+    with claim_dir(args.out, key="--out", doing="written by an eval", name=".eval.lock"):
         return _main(args, argv)
-    finally:
-        lock.release()
 
 
 def _main(args, argv) -> dict:

@@ -31,21 +31,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_model.files import atomic_writer
+from dflash_model.hashing import mix32
 
 # Context tokens kept before each reply in a stored file: the longest n-gram an index can use.
 MAX_ORDER = 8
 FORMAT = 1  # bump when the stored file's layout changes
 
 _FNV_PRIME = 0x01000193
-
-
-def _fmix32(h):
-    """MurmurHash3's finaliser: spreads every input bit over the whole word (for numpy and jax uint32 arrays)."""
-    h = h ^ (h >> 16)
-    h = h * np.uint32(0x85EBCA6B)
-    h = h ^ (h >> 13)
-    h = h * np.uint32(0xC2B2AE35)
-    return h ^ (h >> 16)
 
 
 def ngram_hash(tokens, xp=np):
@@ -56,7 +48,7 @@ def ngram_hash(tokens, xp=np):
         h = xp.full(tokens.shape[:-1], np.uint32(0x811C9DC5 ^ n), dtype=xp.uint32)
         for j in range(n):
             h = (h ^ tokens[..., j].astype(xp.uint32)) * np.uint32(_FNV_PRIME)
-        return _fmix32(h)
+        return mix32(h)
 
 
 # Followers kept per n-gram, most frequent first: a chain drafts the first, a lookup tree branches over all of them.

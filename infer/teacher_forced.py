@@ -630,11 +630,8 @@ def add_real(args, model, draft, k: int, stop_ids, decoded, results, progress: b
 def main(argv=None) -> dict:
     args = parse_args(argv)
     # --out before any work (a file there, a second writer, an unreachable store), as infer.eval does.
-    lock = claim_dir(args.out, key="--out", doing="written by a teacher-forced pass", name=".eval.lock")
-    try:
+    with claim_dir(args.out, key="--out", doing="written by a teacher-forced pass", name=".eval.lock"):
         return _main(args, argv)
-    finally:
-        lock.release()
 
 
 def _main(args, argv) -> dict:

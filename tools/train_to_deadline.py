@@ -60,11 +60,9 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = load_config(name, overrides)
     from dflash_model.files import open_run_dir
 
-    lock = open_run_dir(cfg.run_dir, checkpoint_dir=cfg.checkpoint.dir)  # before anything there is read or written
-    try:
+    # the run directory's lock before anything there is read or written
+    with open_run_dir(cfg.run_dir, checkpoint_dir=cfg.checkpoint.dir) as lock:
         return _train(args, name, overrides, cfg, lock)
-    finally:
-        lock.release()
 
 
 def _train(args, name: str, overrides: list[str], cfg, lock) -> dict:
