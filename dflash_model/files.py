@@ -147,26 +147,27 @@ class RunLock:
             self._f.close()
 
 
+def _refuse_a_file_at_or_above(directory: Path, flag: str, out: Path) -> None:
+    for above in (directory, *directory.parents):
+        if above.exists() and not above.is_dir():
+            raise ValueError(f"{flag} {out}: {above} is a file, not a directory")
+
+
 def check_out_file(path, flag: str) -> Path:
     """An output file's path, checked before any work: not a directory, its parent a directory (made now). Local
     paths only; returns it as a Path."""
     out = Path(path)
     if out.is_dir():
         raise ValueError(f"{flag} {out} is a directory: name the file to write")
-    parent = out.parent
-    for above in (parent, *parent.parents):
-        if above.exists() and not above.is_dir():
-            raise ValueError(f"{flag} {out}: {above} is a file, not a directory")
-    parent.mkdir(parents=True, exist_ok=True)
+    _refuse_a_file_at_or_above(out.parent, flag, out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     return out
 
 
 def check_out_dir(path, flag: str) -> Path:
     """An output directory's path, checked before any work: not a file, nor under one (made now)."""
     out = Path(path)
-    for above in (out, *out.parents):
-        if above.exists() and not above.is_dir():
-            raise ValueError(f"{flag} {out}: {above} is a file, not a directory")
+    _refuse_a_file_at_or_above(out, flag, out)
     out.mkdir(parents=True, exist_ok=True)
     return out
 
