@@ -276,6 +276,7 @@ def forward(
     logits_at=None,
     tree=None,
     write_cache: bool = True,
+    attention: str = "einsum",
 ) -> TargetOutput:
     """One forward over T tokens per row.
 
@@ -293,9 +294,16 @@ def forward(
     write_cache False, with a cache: the cache is only read; the output has no cache but the new positions' K/V
       (`new_kv`), for `KVCache.append` after, e.g. outside a `lax.switch` over forwards (with a tree, K/V in node
       order, each at its node's position).
+    attention, without a cache or tree (the training forward and the feature precompute): "einsum" (`layers.attend`,
+      fp32 scores, any backend), "xla" or "cudnn": `jax.nn.dot_product_attention` with that implementation, cudnn
+      being cuDNN's fused flash attention on NVIDIA GPUs (16-bit inputs), which never writes the [T, T] scores.
     """
     cfg = config_of(model)
     layer_ids = validate_layer_ids(cfg, layer_ids)
+    if attention not in ("einsum", "xla", "cudnn"):
+        raise ValueError(f"attention={attention!r}: einsum, xla or cudnn")
+    if attention != "einsum" and (cache is not None or tree is not None):
+        raise ValueError(f"attention={attention!r} serves the cache-less causal forward; decoding uses einsum")
     if is_maxtext(model):
         return _maxtext_forward(model, tokens_BT, cache, layer_ids, compute_logits, logits_at, tree)
     deferred = cache is not None and not write_cache
@@ -356,7 +364,7 @@ def forward(
                     cache_k = write_rows(cache_k, i, k, positions_BT)
                     cache_v = write_rows(cache_v, i, v, positions_BT)
                     k, v = cache_k[i], cache_v[i]
-                o = attend(q, k.astype(q.dtype), v.astype(q.dtype), mask_BTS)
+                o = causal_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask_BTS, attention)
             x = x + out_projection(o, attn.o_proj.w[...])
             h = rms_norm(x, layer.post_attention_layernorm.w[...], eps)
             mlp = layer.mlp
@@ -380,6 +388,15 @@ def forward(
     if cache is not None:
         new_cache = KVCache(cache_k, cache_v, start_B + t)
     return TargetOutput(logits, feats, new_cache)
+
+
+def causal_attention(q_BTQH, k_BSGH, v_BSGH, mask_BTS, attention: str):
+    """The forward's attention: the project's einsum under `mask_BTS`, or (no cache: the mask is causal over the
+    row) `jax.nn.dot_product_attention` with its XLA or cuDNN implementation. The library's call is used rather
+    than a hand-written kernel so the backend's fused attention serves the training forward where it exists."""
+    if attention == "einsum":
+        return attend(q_BTQH, k_BSGH, v_BSGH, mask_BTS)
+    return jax.nn.dot_product_attention(q_BTQH, k_BSGH, v_BSGH, is_causal=True, implementation=attention)
 
 
 def _maxtext_forward(model, tokens_BT, cache, layer_ids, compute_logits, logits_at, tree) -> TargetOutput:

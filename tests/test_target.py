@@ -334,3 +334,23 @@ def test_untrained_loss_of_a_random_target_is_near_ln_vocab(hidden, vocab):
     ln_v = float(np.log(vocab))
     for name, loss in (("target next-token", lm_loss), ("DFlash", float(dflash))):
         assert abs(loss - ln_v) < 0.2 * ln_v, f"{name} loss {loss:.2f} against ln V = {ln_v:.2f} at hidden {hidden}"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_library_attention_equals_the_einsum_in_the_training_forward(family):
+    """target.attention=xla (jax.nn.dot_product_attention, the call the cuDNN kernel shares) gives the einsum's
+    features and logits: within 2e-5 in fp32 and within bf16's own rounding at 16 bits; decoding refuses it."""
+    tokens = _tokens(2, 24, seed=3)
+    for dtype, tol in (("float32", 2e-5), ("bfloat16", 3e-2)):
+        model = tiny_target(family, dtype=dtype)
+        ref = forward(model, tokens, layer_ids=(0, 2))
+        lib = forward(model, tokens, layer_ids=(0, 2), attention="xla")
+        scale = float(jnp.max(jnp.abs(ref.logits.astype(jnp.float32))))
+        for a, b in ((ref.features, lib.features), (ref.logits, lib.logits)):
+            gap = float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
+            assert gap <= tol * max(scale, 1.0), (dtype, gap)
+    cache = KVCache.init(tiny_config(family), 2, 32)
+    with pytest.raises(ValueError, match="decoding uses einsum"):
+        forward(model, tokens, cache, attention="xla")
+    with pytest.raises(ValueError, match="einsum, xla or cudnn"):
+        forward(model, tokens, attention="flash")

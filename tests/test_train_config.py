@@ -115,6 +115,8 @@ def test_free_form_arch_dict_accepts_target_fields():
         ("train.warmup_ratio=1.5", r"train.warmup_ratio=1.5: must be <= 1.0"),
         ("distill_weight=-0.1", r"distill_weight=-0.1: must be >= 0"),
         ("data.source=null", r"data.source=null: give the data"),
+        ("target.attention=flash", r"target.attention='flash': expected one of"),
+        ("target.attention=cudnn", r"target.attention=cudnn needs target.dtype=bfloat16"),
     ],
 )
 def test_bad_values_are_refused_naming_the_key(override, message):

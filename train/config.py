@@ -18,6 +18,9 @@ import yaml
 
 from train.presets import resolve, suggest
 
+# target.attention: the training forward's causal attention (dflash_model.target.forward's `attention`)
+ATTENTION_KINDS = ("einsum", "xla", "cudnn")
+
 
 def _bounds(low=None, high=None, *, above=None, choices=None, key=None) -> Any:
     """A field's range (low <= v <= high, or v > above) or choices, checked by validate(); `key`: its name in the
@@ -36,6 +39,7 @@ class Target:
     arch: dict
     dtype: str = _bounds(choices=("float32", "bfloat16"))
     maxtext: str | None
+    attention: str = _bounds(choices=ATTENTION_KINDS)
 
 
 @dataclass(frozen=True)
@@ -210,6 +214,15 @@ class RunConfig:
             )
         if self.target.path is None and self.target.preset is None:
             raise ValueError("set target.path (real weights) or target.preset (random weights)")
+        if self.target.attention == "cudnn" and self.target.dtype != "bfloat16":
+            raise ValueError(
+                "target.attention=cudnn needs target.dtype=bfloat16: cuDNN's flash attention takes 16-bit inputs"
+            )
+        if self.target.attention != "einsum" and self.target.maxtext is not None:
+            raise ValueError(
+                f"target.attention={self.target.attention} chooses the Tunix target's attention; a MaxText target "
+                "(target.maxtext) runs MaxText's own: leave target.attention=einsum"
+            )
         _check_source(self.data.source)
         _check_drafter(self.drafter, self.draft_vocab)
         _check_eval(self.eval, self.block_size)

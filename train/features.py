@@ -63,6 +63,9 @@ def _meta(trainer, records) -> dict:
         "seed": int(cfg.seed),
         "hidden_size": trainer.target_cfg.hidden_size,
         "labels": str(cfg.data.labels),
+        # another attention kernel gives features that differ in the last bits: its own cache (einsum's caches,
+        # made before the key existed, keep their meta)
+        **({"attention": cfg.target.attention} if cfg.target.attention != "einsum" else {}),
     }
 
 
@@ -140,12 +143,13 @@ def _build(trainer, records, root: Path, meta: dict, chunk: int, *, write: bool)
             labels_out = np.lib.format.open_memmap(root / "labels.npy", mode="w+", dtype=np.int32, shape=(n, t))
         log.info("precomputing target features for %d records into %s (%.1f GB)", n, root, out.nbytes / 1e9)
     t_graph, layer_ids = trainer.t_graph, tuple(meta["layer_ids"])
+    attention = meta.get("attention", "einsum")
     # Token ids in and features out replicated over the trainer's mesh: the target may be sharded across
     # processes, and every process then holds the whole chunk of features (process 0 writes it).
     replicated = NamedSharding(trainer.mesh, PartitionSpec())
 
     def features_and_labels(s, ids):
-        out = forward(nnx.merge(t_graph, s), ids, layer_ids=layer_ids, compute_logits=with_labels)
+        out = forward(nnx.merge(t_graph, s), ids, layer_ids=layer_ids, compute_logits=with_labels, attention=attention)
         return out.features, (target_labels(ids, out.logits) if with_labels else ids)
 
     fn = jax.jit(features_and_labels, out_shardings=(replicated, replicated))

@@ -121,6 +121,7 @@ class Program:
     zero_features: bool  # ablation (features.zero): how much of the drafter's skill comes from the target
     target_labels: bool  # data.labels=target: labels are the target's greedy next tokens, not the text's
     compute_dtype: str  # train.compute_dtype: the drafter's activations and matmuls (parameters stay fp32)
+    attention: str  # target.attention: the target forward's causal attention (einsum, xla, cudnn)
     opt: tuple
     total_steps: int
     mesh_key: tuple  # the sharding constraint below is only valid on the mesh it was made for
@@ -165,6 +166,7 @@ class Program:
             zero_features=bool(cfg.features.zero),
             target_labels=bool(target_labels),
             compute_dtype=str(cfg.train.compute_dtype),
+            attention=cfg.target.attention,
             # lr_ratio is a dict: frozen to pairs so the Program stays hashable (make_optimizer reads either)
             opt=tuple(
                 (k, tuple(v.items()) if isinstance(v, dict) else v)
@@ -186,7 +188,13 @@ def step_loss(prog: Program, params, t_state, batch, step, nan_at, vocab_ids=Non
         # With distillation the forward also keeps the last layer: final-normed, it is the hidden state the
         # target's own next-token distribution comes from (the teacher), at no cost beyond this forward.
         last = (config_of(target).num_hidden_layers - 1,) if prog.distill_weight else ()
-        out = forward(target, batch["input_ids"], layer_ids=(*prog.layer_ids, *last), compute_logits=prog.target_labels)
+        out = forward(
+            target,
+            batch["input_ids"],
+            layer_ids=(*prog.layer_ids, *last),
+            compute_logits=prog.target_labels,
+            attention=prog.attention,
+        )
         features = out.features
         if prog.target_labels:
             labels = target_labels(batch["input_ids"], out.logits)
