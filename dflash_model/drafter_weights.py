@@ -95,15 +95,8 @@ ZLAB_MODELING = "z-lab/Qwen3-8B-DFlash-b16--dflash.DFlashDraftModel"
 _DFLASH_KEYS = {"mask_token_id", "target_layer_ids", "block_size", "causal"}
 
 
-def parse_zlab_config(raw: dict[str, Any], source: str = "config.json") -> DrafterConfig:
-    """A DrafterConfig from a z-lab DFlash config.json dict; anything this implementation would silently get wrong
-    is an error naming the key (`source` names the file in messages)."""
-
-    def need(key: str, where: dict = raw, prefix: str = ""):
-        if key not in where or where[key] is None:
-            raise ConfigError(f"{source}: missing required key {prefix + key!r}")
-        return where[key]
-
+def _dflash_section(raw: dict[str, Any], source: str) -> dict:
+    """The dflash_config object, after the checks of what this implementation supports at the top level."""
     arch = raw.get("architectures")
     if arch != ["DFlashDraftModel"]:
         raise ConfigError(f"{source}: architectures={arch!r}; only ['DFlashDraftModel'] is supported")
@@ -119,29 +112,24 @@ def parse_zlab_config(raw: dict[str, Any], source: str = "config.json") -> Draft
         raise ConfigError(f"{source}: attention_bias=true is not supported (DFlash drafters have no biases)")
     if raw.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"{source}: hidden_act={raw['hidden_act']!r}; only 'silu' is supported")
+    return dflash
 
-    hidden = int(need("hidden_size"))
-    if raw.get("target_hidden_size", hidden) != hidden:
-        raise ConfigError(f"{source}: target_hidden_size={raw['target_hidden_size']} != hidden_size={hidden}")
+
+def _block_size(raw: dict[str, Any], dflash: dict, source: str):
+    """block_size at the top level or in dflash_config (equal where both are given)."""
     top_block, nested_block = raw.get("block_size"), dflash.get("block_size")
     if top_block is not None and nested_block is not None and int(top_block) != int(nested_block):
         raise ConfigError(f"{source}: block_size={top_block} but dflash_config.block_size={nested_block}")
     block = top_block if top_block is not None else nested_block
     if block is None:
         raise ConfigError(f"{source}: missing required key 'block_size' (top level or in dflash_config)")
+    return block
 
-    num_layers = int(need("num_hidden_layers"))
-    num_target = int(need("num_target_layers"))
-    ids = dflash.get("target_layer_ids")
-    if ids is None:
-        # The reference falls back to one feature per draft layer, spread by the default rule.
-        try:
-            ids = default_target_layer_ids(num_target, num_layers)
-        except ValueError as e:
-            raise ConfigError(f"{source}: no dflash_config.target_layer_ids and {e}") from e
 
-    # As HF's Qwen3Config (which z-lab's reference and vLLM read through): sliding_window counts only with
-    # use_sliding_window, and without layer_types the layers from max_window_layers on slide.
+def _sliding_layers(raw: dict[str, Any], dflash: dict, num_layers: int, source: str):
+    """(sliding window or None, layer_types or None) as HF's Qwen3Config reads them (z-lab's reference and vLLM read
+    through it): sliding_window counts only with use_sliding_window, and without layer_types the layers from
+    max_window_layers on slide."""
     window = raw.get("sliding_window") if raw.get("use_sliding_window", False) else None
     layer_types = raw.get("layer_types")
     if layer_types is None and window is not None:
@@ -155,7 +143,34 @@ def parse_zlab_config(raw: dict[str, Any], source: str = "config.json") -> Draft
                 f"{source}: {key}={value} with layer_types={layer_types}: only the default (sliding layers causal, "
                 "full layers bidirectional) is supported"
             )
+    return window, layer_types
 
+
+def parse_zlab_config(raw: dict[str, Any], source: str = "config.json") -> DrafterConfig:
+    """A DrafterConfig from a z-lab DFlash config.json dict; anything this implementation would silently get wrong
+    is an error naming the key (`source` names the file in messages)."""
+
+    def need(key: str, where: dict = raw, prefix: str = ""):
+        if key not in where or where[key] is None:
+            raise ConfigError(f"{source}: missing required key {prefix + key!r}")
+        return where[key]
+
+    dflash = _dflash_section(raw, source)
+    hidden = int(need("hidden_size"))
+    if raw.get("target_hidden_size", hidden) != hidden:
+        raise ConfigError(f"{source}: target_hidden_size={raw['target_hidden_size']} != hidden_size={hidden}")
+    block = _block_size(raw, dflash, source)
+    num_layers = int(need("num_hidden_layers"))
+    num_target = int(need("num_target_layers"))
+    ids = dflash.get("target_layer_ids")
+    if ids is None:
+        # The reference falls back to one feature per draft layer, spread by the default rule.
+        try:
+            ids = default_target_layer_ids(num_target, num_layers)
+        except ValueError as e:
+            raise ConfigError(f"{source}: no dflash_config.target_layer_ids and {e}") from e
+
+    window, layer_types = _sliding_layers(raw, dflash, num_layers, source)
     try:
         return DrafterConfig(
             hidden_size=hidden,
@@ -425,6 +440,22 @@ def check_zlab_schema(model_dir: str | Path) -> list[str]:
         raw = _read_config(model_dir)
     except (CheckpointError, ConfigError) as e:
         return [str(e)]
+    problems = _header_problems(raw) + _key_problems(raw)
+    if problems:
+        return problems
+    try:
+        cfg = parse_zlab_config(raw, source=str(model_dir / "config.json"))
+    except ConfigError as e:
+        return [str(e)]
+    try:
+        source = SafetensorsSource(model_dir)
+    except CheckpointError as e:
+        return [str(e)]
+    return tensor_problems(source, cfg, stored_dtype(raw))
+
+
+def _header_problems(raw: dict) -> list[str]:
+    """What a server's dispatch reads: architectures, model_type, dflash_config's keys, block_size."""
     problems = []
     if raw.get("architectures") != ["DFlashDraftModel"]:
         problems.append(f"architectures={raw.get('architectures')!r}, expected ['DFlashDraftModel']")
@@ -442,6 +473,12 @@ def check_zlab_schema(model_dir: str | Path) -> list[str]:
     block = raw.get("block_size", dflash.get("block_size"))
     if not (isinstance(block, int) and block >= 2):
         problems.append(f"block_size={block!r}, expected an int >= 2 (top level or in dflash_config)")
+    return problems
+
+
+def _key_problems(raw: dict) -> list[str]:
+    """The Qwen3 keys a server builds the drafter from, its dtype and its layer types."""
+    problems = []
     for key, kind in _REQUIRED_KEYS.items():
         value = raw.get(key)
         if not isinstance(value, (int, float) if kind is float else int) or isinstance(value, bool):
@@ -459,17 +496,7 @@ def check_zlab_schema(model_dir: str | Path) -> list[str]:
             problems.append("layer_types mixes sliding and full attention, which vLLM's DFlash does not support")
         if "sliding_attention" in kinds and not (raw.get("use_sliding_window") and raw.get("sliding_window")):
             problems.append("sliding layers need use_sliding_window=true and an int sliding_window (HF drops it)")
-    if problems:
-        return problems
-    try:
-        cfg = parse_zlab_config(raw, source=str(model_dir / "config.json"))
-    except ConfigError as e:
-        return [str(e)]
-    try:
-        source = SafetensorsSource(model_dir)
-    except CheckpointError as e:
-        return [str(e)]
-    return tensor_problems(source, cfg, declared)
+    return problems
 
 
 __all__ = [

@@ -265,6 +265,22 @@ def write_rows(stack_LBCGH, layer: int, new_BTGH, pos_BT):
     return stack_LBCGH.at[layer, rows_BT, pos_BT].set(new_BTGH.astype(stack_LBCGH.dtype), mode="drop")
 
 
+def _positions_and_mask(positions_BT, kv_positions, start_B, tree, cached: bool):
+    """(rope positions [B, T], attention mask [B, T, S]; True = may attend) of a sequence (causal) or, with a
+    cache, of a draft tree's nodes: node t sits at start + depth[t] and sees the cache below start and its
+    ancestors (visible[t, m])."""
+    if tree is None:
+        return positions_BT, kv_positions[None, None, :] <= positions_BT[:, :, None]
+    if not cached:
+        raise ValueError("a tree forward extends a cache: pass one")
+    t = positions_BT.shape[1]
+    depth_BT, visible_BTT = tree
+    node_S = kv_positions[None, :] - start_B[:, None]  # [B, S]: the node a cache slot holds, if in 0..T-1
+    in_tree = (node_S >= 0) & (node_S < t)
+    sees_node = jnp.take_along_axis(visible_BTT, jnp.clip(node_S, 0, t - 1)[:, None, :].repeat(t, 1), axis=2)
+    return start_B[:, None] + depth_BT, (node_S < 0)[:, None, :] | (in_tree[:, None, :] & sees_node)
+
+
 @jax.named_scope("target_forward")
 def forward(
     model: nnx.Module,
@@ -300,32 +316,15 @@ def forward(
     """
     cfg = config_of(model)
     layer_ids = validate_layer_ids(cfg, layer_ids)
-    if attention not in ("einsum", "xla", "cudnn"):
-        raise ValueError(f"attention={attention!r}: einsum, xla or cudnn")
-    if attention != "einsum" and (cache is not None or tree is not None):
-        raise ValueError(f"attention={attention!r} serves the cache-less causal forward; decoding uses einsum")
+    _check_attention(attention, cached=cache is not None or tree is not None)
     if is_maxtext(model):
         return _maxtext_forward(model, tokens_BT, cache, layer_ids, compute_logits, logits_at, tree)
     deferred = cache is not None and not write_cache
     b, t = tokens_BT.shape
     start_B = jnp.zeros((b,), jnp.int32) if cache is None else cache.lengths
     positions_BT = start_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # also the cache slots written
-    if cache is None:
-        kv_positions = jnp.arange(t, dtype=jnp.int32)
-    else:
-        kv_positions = jnp.arange(cache.capacity, dtype=jnp.int32)
-    if tree is None:
-        rope_positions_BT = positions_BT
-        mask_BTS = kv_positions[None, None, :] <= positions_BT[:, :, None]
-    else:
-        if cache is None:
-            raise ValueError("a tree forward extends a cache: pass one")
-        depth_BT, visible_BTT = tree
-        rope_positions_BT = start_B[:, None] + depth_BT
-        node_S = kv_positions[None, :] - start_B[:, None]  # [B, S]: the node a cache slot holds, if in 0..T-1
-        in_tree = (node_S >= 0) & (node_S < t)
-        sees_node = jnp.take_along_axis(visible_BTT, jnp.clip(node_S, 0, t - 1)[:, None, :].repeat(t, 1), axis=2)
-        mask_BTS = (node_S < 0)[:, None, :] | (in_tree[:, None, :] & sees_node)
+    kv_positions = jnp.arange(t if cache is None else cache.capacity, dtype=jnp.int32)
+    rope_positions_BT, mask_BTS = _positions_and_mask(positions_BT, kv_positions, start_B, tree, cache is not None)
     if deferred:
         block_mask = jnp.tril(jnp.ones((t, t), bool))[None, None] if tree is None else tree[1][:, None]
     cos, sin = rope_angles(rope_positions_BT, rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
@@ -377,17 +376,27 @@ def forward(
     if layer_ids:
         by_id = dict(features)
         feats = jnp.concatenate([by_id[i] for i in layer_ids], axis=-1)
-    logits = None
-    if compute_logits:
-        if logits_at is not None:
-            x = jnp.take_along_axis(x, jnp.asarray(logits_at, jnp.int32)[:, None, None], axis=1)[:, 0]
-        logits = lm_head(model, final_norm(model, x))
+    logits = _logits(model, x, logits_at) if compute_logits else None
     if deferred:
         return TargetOutput(logits, feats, None, (jnp.stack(new_k), jnp.stack(new_v)))
     new_cache = None
     if cache is not None:
         new_cache = KVCache(cache_k, cache_v, start_B + t)
     return TargetOutput(logits, feats, new_cache)
+
+
+def _check_attention(attention: str, cached: bool) -> None:
+    if attention not in ("einsum", "xla", "cudnn"):
+        raise ValueError(f"attention={attention!r}: einsum, xla or cudnn")
+    if attention != "einsum" and cached:
+        raise ValueError(f"attention={attention!r} serves the cache-less causal forward; decoding uses einsum")
+
+
+def _logits(model, x_BTD, logits_at):
+    """The logits of every position, or of position logits_at[b] of each row b."""
+    if logits_at is not None:
+        x_BTD = jnp.take_along_axis(x_BTD, jnp.asarray(logits_at, jnp.int32)[:, None, None], axis=1)[:, 0]
+    return lm_head(model, final_norm(model, x_BTD))
 
 
 def causal_attention(q_BTQH, k_BSGH, v_BSGH, mask_BTS, attention: str):
@@ -406,12 +415,7 @@ def _maxtext_forward(model, tokens_BT, cache, layer_ids, compute_logits, logits_
     by_id = model.layer_outputs(tokens_BT, (*layer_ids, last) if compute_logits else layer_ids)
     by_id = {i: constrain_batch(x) for i, x in by_id.items()}
     feats = jnp.concatenate([by_id[i] for i in layer_ids], axis=-1) if layer_ids else None
-    logits = None
-    if compute_logits:
-        x = by_id[last]
-        if logits_at is not None:
-            x = jnp.take_along_axis(x, jnp.asarray(logits_at, jnp.int32)[:, None, None], axis=1)[:, 0]
-        logits = lm_head(model, final_norm(model, x))
+    logits = _logits(model, by_id[last], logits_at) if compute_logits else None
     return TargetOutput(logits, feats, None)
 
 
