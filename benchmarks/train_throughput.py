@@ -91,8 +91,8 @@ def limits(trainer, batch: dict, slots: int) -> dict:
     prog = trainer.program()
     b, t = batch["input_ids"].shape
     n = batch["anchors"].shape[1]
-    tcfg, dcfg = trainer.target_cfg, trainer.drafter_cfg
-    vocab = tcfg.vocab_size if trainer.vocab_ids is None else int(trainer.vocab_ids.shape[0])
+    tcfg, dcfg = trainer.run.target_cfg, trainer.run.drafter_cfg
+    vocab = tcfg.vocab_size if trainer.run.vocab_ids is None else int(trainer.run.vocab_ids.shape[0])
     online = "features" not in batch
     flops = model_flops(
         tcfg,
@@ -150,10 +150,10 @@ def phases(trainer, repeats: int = 3) -> dict:
     if "features" in batch:
         out["target_s"], features = 0.0, batch["features"]
     else:
-        out["target_s"] = _time(target_fwd, trainer.t_state, batch["input_ids"], repeats=repeats)
-        features = target_fwd(trainer.t_state, batch["input_ids"])
+        out["target_s"] = _time(target_fwd, trainer.run.t_state, batch["input_ids"], repeats=repeats)
+        features = target_fwd(trainer.run.t_state, batch["input_ids"])
         features = features[0] if labels_too else features
-    target = nnx.merge(prog.t_graph, trainer.t_state)
+    target = nnx.merge(prog.t_graph, trainer.run.t_state)
     dt = jnp.dtype(prog.compute_dtype)
     slots = loss_slots(prog.block_size, prog.loss_positions)
 
@@ -178,7 +178,7 @@ def phases(trainer, repeats: int = 3) -> dict:
     )
     hm = h[:, :, 1:].reshape(-1, h.shape[-1])  # slot 0 is never a label: the step's cross-entropy skips it
     labels = jnp.zeros((hm.shape[0],), jnp.int32)
-    vocab = trainer.vocab_ids
+    vocab = trainer.run.vocab_ids
 
     @jax.jit
     def ce(hm):
@@ -213,7 +213,7 @@ def measure(cfg_name: str, overrides: list[str], steps: int, target=None) -> dic
     import jax
 
     from train.config import load_config
-    from train.trainer import Trainer
+    from train.trainer import open_trainer
 
     with tempfile.TemporaryDirectory() as tmp:
         over = [
@@ -228,7 +228,7 @@ def measure(cfg_name: str, overrides: list[str], steps: int, target=None) -> dic
         ]
         cfg = load_config(cfg_name, over)
         t0 = time.perf_counter()
-        trainer = Trainer(cfg, restore=False, target=target)
+        trainer = open_trainer(cfg, restore=False, target=target)
         build_s = time.perf_counter() - t0
         trainer.train()
         # steps that compiled (the first, and the first of each new anchor-column count) are not timed
@@ -285,19 +285,20 @@ def _pct(x) -> str:
     return "-" if x is None else f"{100 * x:.0f}%"
 
 
-def format_tables(rows: list[dict]) -> str:
-    """Throughput per variant, then each phase's seconds, matmul GFLOP and share of this machine's matmul limit."""
-    base = {r["block_size"]: r["blocks_per_s"] for r in rows if r["variant"] == "baseline"}
+def format_tables(rows: list[dict], baseline: str = "baseline") -> str:
+    """Throughput per variant (against the `baseline` variant at the same K), then each phase's seconds, matmul
+    GFLOP and share of this machine's matmul limit."""
+    base = {r["block_size"]: r["blocks_per_s"] for r in rows if r["variant"] == baseline}
     lines = [
-        "| K | variant | s/step | blocks/step | blocks/s | x baseline | trained labels/s | step GFLOP "
+        f"| K | variant | s/step | blocks/step | blocks/s | x {baseline} | trained labels/s | step GFLOP "
         "| step at limit |",
         "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        x = r["blocks_per_s"] / base[r["block_size"]] if r["block_size"] in base else float("nan")
+        x = f"{r['blocks_per_s'] / base[r['block_size']]:.2f}x" if r["block_size"] in base else "-"
         lines.append(
-            f"| {r['block_size']} | {r['variant']} | {r['step_s']:.2f} | {r['blocks_per_step']:.0f} | "
-            f"{r['blocks_per_s']:.1f} | {x:.1f}x | {r['trained_labels_per_s']:.0f} | "
+            f"| {r['block_size']} | {r['variant']} | {r['step_s']:.4g} | {r['blocks_per_step']:.0f} | "
+            f"{r['blocks_per_s']:.1f} | {x} | {r['trained_labels_per_s']:.0f} | "
             f"{sum(r['gflop'].values()):.0f} | {_pct(r['fraction_of_limit']['step'])} |"
         )
     lines += [

@@ -211,17 +211,17 @@ def test_a_damaged_feature_cache_is_named_and_rebuilt(tmp_path, caplog):
 
 def test_a_truncated_feature_cache_is_rebuilt_by_the_trainer(tmp_path, caplog):
     from train.config import load_config
-    from train.trainer import Trainer
+    from train.trainer import open_trainer
 
     keys = [f"run_dir={tmp_path / 'run'}", "features.mode=offline", "data.num_records=16", "train.batch_size=8"]
     keys.append("train.steps=2")
-    Trainer(load_config("tiny", keys), restore=False)
+    open_trainer(load_config("tiny", keys), restore=False)
     data = tmp_path / "run" / "features" / "features.npy"
     size = data.stat().st_size
     data.write_bytes(data.read_bytes()[: size // 3])
-    tr = Trainer(load_config("tiny", keys), restore=False)
+    tr = open_trainer(load_config("tiny", keys), restore=False)
     assert "is damaged" in caplog.text and data.stat().st_size == size
-    assert tr.features[np.arange(16)].shape[0] == 16
+    assert tr.run.features[np.arange(16)].shape[0] == 16
 
 
 # -- draft specs and flags ---------------------------------------------------------------------------------------
@@ -290,7 +290,7 @@ def test_a_refused_training_changes_no_file(tmp_path):
     from dflash_model.files import RunLock
     from train.config import load_config
     from train.run import main
-    from train.trainer import Trainer
+    from train.trainer import open_trainer
 
     run_dir = tmp_path / "run"
     held = RunLock(run_dir)
@@ -300,7 +300,7 @@ def test_a_refused_training_changes_no_file(tmp_path):
     with pytest.raises(RuntimeError, match=rf"{run_dir} is being trained by pid {os.getpid()}"):
         main(["--config", "tiny", f"run_dir={run_dir}", "train.steps=2"])
     with pytest.raises(RuntimeError, match="is being trained by"):
-        Trainer(load_config("tiny", [f"run_dir={run_dir}"]))
+        open_trainer(load_config("tiny", [f"run_dir={run_dir}"]))
     assert _bytes(run_dir) == before
     held.release()
 

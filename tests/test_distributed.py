@@ -22,7 +22,7 @@ from conftest import REPO
 
 from data.pipeline import TokenizedRecords, build_dataset
 from train.config import load_config
-from train.trainer import Trainer
+from train.trainer import open_trainer
 
 STEPS = 5
 # Smaller than tiny (2 target layers, 1 drafter layer): three compilations of the step share 2 CPU cores.
@@ -121,8 +121,8 @@ def test_two_processes_train_like_one(tmp_path):
     procs = _launch(dist_dir, tmp_path, extra=evaluate)
     try:
         # The reference while they run: this process, the first 2 of its 8 fake devices, the same mesh and batch.
-        ref = Trainer(load_config("tiny", [f"run_dir={ref_dir}", *OVERRIDES]), restore=False)
-        assert ref.mesh.devices.size == 2 and jax.process_count() == 1
+        ref = open_trainer(load_config("tiny", [f"run_dir={ref_dir}", *OVERRIDES]), restore=False)
+        assert ref.run.mesh.devices.size == 2 and jax.process_count() == 1
         ref.train()
     finally:
         failure = _wait(procs, t0 + TIMEOUT_S)
@@ -156,9 +156,9 @@ def test_two_processes_train_like_one(tmp_path):
     # Checkpoints: saved at 2, 4 and 5 by both processes (each holds half of every FSDP-sharded parameter). The
     # last restores whole in one process and holds exactly the parameters process 0 exported (gathered from both).
     assert sorted(int(d.name) for d in (dist_dir / "checkpoints").iterdir() if d.name.isdigit()) == [2, 4, 5]
-    back = Trainer(load_config("tiny", [f"run_dir={dist_dir}", *OVERRIDES]))
+    back = open_trainer(load_config("tiny", [f"run_dir={dist_dir}", *OVERRIDES]))
     assert back.restored_step == STEPS
-    again = export_drafter(back.drafter(), back.drafter_cfg, tmp_path / "from_checkpoint", dtype="float32")
+    again = export_drafter(back.drafter(), back.run.drafter_cfg, tmp_path / "from_checkpoint", dtype="float32")
     restored = load_file(again / "model.safetensors")
     assert restored.keys() == exported.keys()
     for k in exported:
@@ -240,7 +240,7 @@ def test_two_processes_build_offline_features_together(tmp_path):
     t0 = time.time()
     procs = _launch(dist_dir, tmp_path, extra=offline)
     try:
-        ref = Trainer(load_config("tiny", [f"run_dir={ref_dir}", *OVERRIDES, *offline]), restore=False)
+        ref = open_trainer(load_config("tiny", [f"run_dir={ref_dir}", *OVERRIDES, *offline]), restore=False)
         ref.train()
     finally:
         failure = _wait(procs, t0 + TIMEOUT_S)

@@ -103,14 +103,14 @@ def test_training_step_equals_the_tunix_target(qwen3_maxtext, tmp_path):
     from flax import nnx
 
     from train.config import load_config
-    from train.trainer import Trainer
+    from train.trainer import open_trainer
 
     keys = [f"target.path={FIXTURES / 'tiny_qwen3'}", "mesh.data=2", "mesh.fsdp=4"]
-    tunix = Trainer(load_config("tiny", [f"run_dir={tmp_path / 'a'}", *keys]), restore=False)
-    mx = Trainer(load_config("tiny", [f"run_dir={tmp_path / 'b'}", *keys, f"target.maxtext={qwen3_maxtext}"]),
+    tunix = open_trainer(load_config("tiny", [f"run_dir={tmp_path / 'a'}", *keys]), restore=False)
+    mx = open_trainer(load_config("tiny", [f"run_dir={tmp_path / 'b'}", *keys, f"target.maxtext={qwen3_maxtext}"]),
                  restore=False)  # fmt: skip
-    assert type(mx.target).__name__ == "MaxTextTarget"
-    specs = [p.sharding.spec for p in jax.tree.leaves(nnx.state(mx.target, nnx.Param))]
+    assert type(mx.run.target).__name__ == "MaxTextTarget"
+    specs = [p.sharding.spec for p in jax.tree.leaves(nnx.state(mx.run.target, nnx.Param))]
     assert any("fsdp" in s for s in specs), specs
     batch = next(tunix.iterator)
     from trainer_probes import loss_and_grads

@@ -1,6 +1,6 @@
-"""The README stays a true front door: its Layout table names paths that exist and every module of the four
-packages, it stays short, the relative links of the docs and drafter READMEs lead to files that exist, and every
-entry of docs/results/ is named from outside itself."""
+"""The README stays a true front door: its Layout table and docs/design.md's Modules table name paths that exist,
+the Modules table names every module of the four packages, the README stays short, the relative links of the docs
+and drafter READMEs lead to files that exist, and every entry of docs/results/ is named from outside itself."""
 
 import re
 import subprocess
@@ -15,32 +15,33 @@ LINKED = sorted(
 MAX_README_LINES = 200
 
 
-def _section(text: str, heading: str) -> str:
-    """The body of a `## heading` section, up to the next `## ` heading."""
-    m = re.search(rf"^## {re.escape(heading)}\s*$(.*?)(?=^## |\Z)", text, flags=re.M | re.S)
-    assert m, f"README.md has no '## {heading}' section"
+def _section(doc: str, heading: str) -> str:
+    """The body of a `## heading` section of `doc`, up to the next `## ` heading."""
+    m = re.search(rf"^## {re.escape(heading)}\s*$(.*?)(?=^## |\Z)", (REPO / doc).read_text(), flags=re.M | re.S)
+    assert m, f"{doc} has no '## {heading}' section"
     return m.group(1)
 
 
-def _layout_paths() -> list[str]:
-    """The backticked paths in the first column of the README's Layout table."""
+def _table_paths(doc: str, heading: str) -> list[str]:
+    """The backticked paths in the first column of the table under `## heading` in `doc`."""
     paths = []
-    for line in _section((REPO / "README.md").read_text(), "Layout").splitlines():
+    for line in _section(doc, heading).splitlines():
         cells = line.split("|")
         if not line.startswith("|") or len(cells) < 3 or set(cells[1].strip()) <= set("-: "):
             continue
         paths += re.findall(r"`([^`]+)`", cells[1])
-    assert paths, "the Layout table names no path"
+    assert paths, f"the table under {doc}'s '## {heading}' names no path"
     return paths
 
 
-def test_layout_paths_exist():
-    missing = [p for p in _layout_paths() if not (REPO / p).exists()]
-    assert not missing, f"README.md's Layout table names paths that do not exist: {missing}"
+@pytest.mark.parametrize("doc, heading", [("README.md", "Layout"), ("docs/design.md", "Modules")])
+def test_layout_paths_exist(doc, heading):
+    missing = [p for p in _table_paths(doc, heading) if not (REPO / p).exists()]
+    assert not missing, f"{doc}'s {heading} table names paths that do not exist: {missing}"
 
 
-def test_layout_names_every_module():
-    named = {p.rstrip("/") for p in _layout_paths()}
+def test_modules_table_names_every_module():
+    named = {p.rstrip("/") for p in _table_paths("docs/design.md", "Modules")}
     modules = sorted(
         str(f.relative_to(REPO))
         for pkg in PACKAGES
@@ -49,7 +50,7 @@ def test_layout_names_every_module():
     )
     assert modules, "no modules found"
     unnamed = [m for m in modules if m not in named]
-    assert not unnamed, f"README.md's Layout table does not name these modules: {unnamed}"
+    assert not unnamed, f"docs/design.md's Modules table does not name these modules: {unnamed}"
 
 
 def test_readme_is_short():

@@ -309,7 +309,8 @@ def test_export_format_both_writes_both_directories(tmp_path):
     """export.format=both at the end of a tiny run: z-lab at export/, speculators at export-speculators/, the same
     weights; export.format is checked with the other choices, export.verifier must be a string."""
     from train.config import load_config
-    from train.trainer import Trainer
+    from train.trainer import open_trainer
+    from train.workflow import export_run
 
     with pytest.raises(ValueError, match="export.format='onnx'"):
         load_config("tiny", ["export.format=onnx"])
@@ -317,9 +318,10 @@ def test_export_format_both_writes_both_directories(tmp_path):
         load_config("tiny", ["export.verifier=3"])
     run_dir = tmp_path / "run"
     cfg = load_config("tiny", [f"run_dir={run_dir}", "train.steps=2", "export.format=both", "export.verifier=org/m"])
-    summary = Trainer(cfg).train()
+    trainer = open_trainer(cfg)
+    trainer.train()
     zlab, spec = run_dir / "export", run_dir / "export-speculators"
-    assert summary["export"] == str(zlab)
+    assert export_run(trainer) == zlab
     assert "dflash_config" in json.loads((zlab / "config.json").read_text())
     raw = json.loads((spec / "config.json").read_text())
     assert raw["speculators_config"]["verifier"] == {"name_or_path": "org/m", "architectures": ["Qwen3ForCausalLM"]}

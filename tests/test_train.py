@@ -25,7 +25,8 @@ from flax import nnx
 from trainer_probes import loss_and_grads
 
 from train.config import load_config
-from train.trainer import Trainer, TrainingDiverged
+from train.trainer import TrainingDiverged, open_trainer
+from train.workflow import export_run
 
 
 def _records(run_dir):
@@ -48,9 +49,10 @@ def run30(tmp_path_factory):
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     compilation_cache.reset_cache()
     try:
-        tr = Trainer(load_config("tiny", [f"run_dir={run_dir}"]))
-        before = _params(tr.target)
+        tr = open_trainer(load_config("tiny", [f"run_dir={run_dir}"]))
+        before = _params(tr.run.target)
         summary = tr.train()
+        export_run(tr)  # what train/run.py does after a finished run
     finally:
         jax.config.update("jax_compilation_cache_dir", None)
         compilation_cache.reset_cache()
@@ -74,7 +76,7 @@ def test_loss_falls_and_target_frozen(run30):
     first, last = recs[0]["loss"], np.mean([r["loss"] for r in recs[-5:]])
     # Seen: 6.67 -> about 5.1 (log 512 = 6.24 at random; the synthetic cycles make blocks predictable).
     assert first - last > 1.0, (first, last)
-    after = _params(tr.target)
+    after = _params(tr.run.target)
     assert before.keys() == after.keys()
     assert all(np.array_equal(before[k], after[k]) for k in before)
     assert summary["step"] == 30 and summary["tokens_per_s"] > 0
@@ -86,7 +88,7 @@ def test_loss_falls_and_target_frozen(run30):
 def test_resume_is_exact(run30, tmp_path):
     """A new Trainer restored from step 10 redoes steps 11..30 with bit-identical losses."""
     run_dir = _copy(run30, tmp_path, keep_steps={10})
-    tr = Trainer(load_config("tiny", [f"run_dir={run_dir}"]))
+    tr = open_trainer(load_config("tiny", [f"run_dir={run_dir}"]))
     assert tr.restored_step == 10 and [r["step"] for r in _records(run_dir)] == list(range(1, 11))
     tr.train()
     assert [r["loss"] for r in _records(run_dir)] == [r["loss"] for r in _records(run30[0])]
@@ -98,7 +100,7 @@ def test_damaged_latest_checkpoint_falls_back(run30, tmp_path):
         if f.is_file():
             f.write_bytes(b"\0garbage")
     with pytest.warns(UserWarning, match="step 30 .* unreadable.*falling back"):
-        tr = Trainer(load_config("tiny", [f"run_dir={run_dir}"]))
+        tr = open_trainer(load_config("tiny", [f"run_dir={run_dir}"]))
     assert tr.restored_step == 20
     tr.train(max_steps=3)
     assert [r["loss"] for r in _records(run_dir)] == [r["loss"] for r in _records(run30[0])][:23]
@@ -106,14 +108,14 @@ def test_damaged_latest_checkpoint_falls_back(run30, tmp_path):
     assert [d.name.split("-")[0] for d in (run_dir / "checkpoints" / "damaged").iterdir()] == ["30"]
     tr.train()
     assert tr.checkpoints.latest_step() == 30
-    assert Trainer(load_config("tiny", [f"run_dir={run_dir}"])).restored_step == 30
+    assert open_trainer(load_config("tiny", [f"run_dir={run_dir}"])).restored_step == 30
 
 
 def test_resume_refuses_a_different_drafter_and_keeps_the_checkpoints(run30, tmp_path):
     """A changed drafter architecture is a config change, not damage: refused by name, nothing deleted or moved."""
     run_dir = _copy(run30, tmp_path, keep_steps={20, 30})
     with pytest.raises(ValueError, match=r"drafter num_hidden_layers=2 in the checkpoint but 3 now"):
-        Trainer(load_config("tiny", [f"run_dir={run_dir}", "drafter.num_layers=3"]))
+        open_trainer(load_config("tiny", [f"run_dir={run_dir}", "drafter.num_layers=3"]))
     assert sorted(d.name for d in (run_dir / "checkpoints").iterdir() if d.name.isdigit()) == ["20", "30"]
     assert not (run_dir / "checkpoints" / "damaged").exists()
 
@@ -121,7 +123,7 @@ def test_resume_refuses_a_different_drafter_and_keeps_the_checkpoints(run30, tmp
 def test_more_steps_on_a_finished_run_say_what_the_schedule_does(run30, tmp_path, caplog):
     run_dir = _copy(run30, tmp_path, keep_steps={30})
     with caplog.at_level("WARNING", logger="dflash.train"):
-        tr = Trainer(load_config("tiny", [f"run_dir={run_dir}", "train.steps=60", "train.epochs=6"]))
+        tr = open_trainer(load_config("tiny", [f"run_dir={run_dir}", "train.steps=60", "train.epochs=6"]))
     assert tr.restored_step == 30
     assert re.search(r"train.steps is 60 now, 30 when step 30 was saved.*moves from \S+ to \S+", caplog.text)
 
@@ -130,7 +132,7 @@ def test_a_torn_metrics_line_is_dropped_on_restore(run30, tmp_path):
     run_dir = _copy(run30, tmp_path, keep_steps={30})
     with open(run_dir / "metrics.jsonl", "a") as f:
         f.write('{"step": 31, "loss": 1.2')  # killed mid-write
-    Trainer(load_config("tiny", [f"run_dir={run_dir}"]))
+    open_trainer(load_config("tiny", [f"run_dir={run_dir}"]))
     assert [r["step"] for r in _records(run_dir)] == list(range(1, 31))
 
 
@@ -142,9 +144,9 @@ def test_a_second_training_in_one_run_dir_is_refused(tmp_path):
     run_dir = tmp_path / "locked"
     held = RunLock(run_dir)
     with pytest.raises(RuntimeError, match=rf"{run_dir} is being trained by pid {os.getpid()}"):
-        Trainer(load_config("tiny", [f"run_dir={run_dir}"]), restore=False)
+        open_trainer(load_config("tiny", [f"run_dir={run_dir}"]), restore=False)
     held.release()
-    tr = Trainer(load_config("tiny", [f"run_dir={run_dir}"]), restore=False)
+    tr = open_trainer(load_config("tiny", [f"run_dir={run_dir}"]), restore=False)
     with pytest.raises(RuntimeError, match="is being trained by"):  # the Trainer holds it until it has trained
         RunLock(run_dir)
     tr.train(max_steps=1)
@@ -162,14 +164,14 @@ def test_resume_refuses_a_different_objective(run30, tmp_path):
     """A checkpoint trained at K=8 must not silently continue as K=16 or with another gamma."""
     run_dir = _copy(run30, tmp_path, keep_steps={30})
     with pytest.raises(ValueError, match=r"block_size=8 in the checkpoint but 16 now"):
-        Trainer(load_config("tiny", [f"run_dir={run_dir}", "block_size=16"]))
+        open_trainer(load_config("tiny", [f"run_dir={run_dir}", "block_size=16"]))
     with pytest.raises(ValueError, match=r"gamma=4.0 in the checkpoint but 2.5 now"):
-        Trainer(load_config("tiny", [f"run_dir={run_dir}", "gamma=2.5"]))
+        open_trainer(load_config("tiny", [f"run_dir={run_dir}", "gamma=2.5"]))
 
 
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(run30, tmp_path):
     run_dir = _copy(run30, tmp_path, keep_steps={10})
-    tr = Trainer(load_config("tiny", [f"run_dir={run_dir}", "debug.nan_at_step=13"]))
+    tr = open_trainer(load_config("tiny", [f"run_dir={run_dir}", "debug.nan_at_step=13"]))
     with pytest.raises(TrainingDiverged, match=r"loss is nan at step 13.*Last good checkpoint: step 10"):
         tr.train()
     assert tr.step == 12 and tr.checkpoints.latest_step() == 10
@@ -182,11 +184,11 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(run30, tmp_path):
 def test_sharded_mesh_matches_one_device(tmp_path):
     """data=2 x fsdp=4 (batch over 8 devices, params FSDP-sharded) vs one device: same loss and grads."""
     small = ["target.arch.num_hidden_layers=2", "drafter.num_layers=1", "drafter.target_layer_ids=[0,1]"]
-    one = Trainer(load_config("tiny", [f"run_dir={tmp_path / 'a'}", *small]), restore=False)
-    eight = Trainer(
+    one = open_trainer(load_config("tiny", [f"run_dir={tmp_path / 'a'}", *small]), restore=False)
+    eight = open_trainer(
         load_config("tiny", [f"run_dir={tmp_path / 'b'}", "mesh.data=2", "mesh.fsdp=4", *small]), restore=False
     )
-    assert eight.mesh.devices.size == 8
+    assert eight.run.mesh.devices.size == 8
     # Adam's mu and nu are sharded like the parameters they track (not replicated on every device).
     params, mu = eight.state["params"], eight.state["opt"][1][0].mu
     sharded = [p.sharding for p in jax.tree.leaves(params) if not p.sharding.is_fully_replicated]
@@ -206,7 +208,7 @@ def test_sigterm_checkpoints_and_stops(run30, tmp_path, monkeypatch):
     import train.trainer as trainer_mod
 
     run_dir = _copy(run30, tmp_path, keep_steps={10})
-    tr = Trainer(load_config("tiny", [f"run_dir={run_dir}", "debug.sleep_per_step=0.01"]))
+    tr = open_trainer(load_config("tiny", [f"run_dir={run_dir}", "debug.sleep_per_step=0.01"]))
     monkeypatch.setattr(trainer_mod, "_pause", lambda _s: os.kill(os.getpid(), signal.SIGTERM))
     summary = tr.train()
     assert summary["stopped_by"] == "SIGTERM" and summary["step"] == 11
@@ -251,14 +253,14 @@ def test_kill9_then_restart_reproduces_losses(run30, tmp_path):
 def test_offline_features_match_online(run30, tmp_path):
     """Features precomputed once to the cache and read back by record index train like the online path."""
     run_dir = tmp_path / "offline"
-    tr = Trainer(load_config("tiny", [f"run_dir={run_dir}", "features.mode=offline"]), restore=False)
+    tr = open_trainer(load_config("tiny", [f"run_dir={run_dir}", "features.mode=offline"]), restore=False)
     cache = np.load(run_dir / "features" / "features.npy", mmap_mode="r")
     assert cache.shape == (512, 64, 2 * 64) and json.loads((run_dir / "features" / "meta.json").read_text())
     tr.train(max_steps=3)
     online = [r["loss"] for r in _records(run30[0])[:3]]
     np.testing.assert_allclose([r["loss"] for r in _records(run_dir)], online, rtol=1e-5)
     stamp = (run_dir / "features" / "meta.json").stat().st_mtime_ns
-    Trainer(load_config("tiny", [f"run_dir={run_dir}", "features.mode=offline"]), restore=False)
+    open_trainer(load_config("tiny", [f"run_dir={run_dir}", "features.mode=offline"]), restore=False)
     assert (run_dir / "features" / "meta.json").stat().st_mtime_ns == stamp  # a complete cache is reused
 
 
@@ -270,7 +272,7 @@ def test_distillation_and_loss_positions_reach_the_step(tmp_path):
     losses = {}
     for w in (0.0, 0.5):
         run_dir = tmp_path / f"w{w}"
-        tr = Trainer(
+        tr = open_trainer(
             load_config("tiny", [f"run_dir={run_dir}", "loss_positions=3", f"distill_weight={w}"]), restore=False
         )
         tr.train(max_steps=1)
@@ -279,10 +281,7 @@ def test_distillation_and_loss_positions_reach_the_step(tmp_path):
         losses[w] = rec["loss"]
     assert abs(losses[0.5] - losses[0.0]) > 1e-3, losses
     with pytest.raises(ValueError, match="distill_weight=0.5 needs features.mode=online"):
-        Trainer(
-            load_config("tiny", [f"run_dir={tmp_path / 'off'}", "distill_weight=0.5", "features.mode=offline"]),
-            restore=False,
-        )
+        load_config("tiny", [f"run_dir={tmp_path / 'off'}", "distill_weight=0.5", "features.mode=offline"])
 
 
 @pytest.mark.long
@@ -292,7 +291,7 @@ def test_lr_ratio_scales_each_parameters_update(tmp_path):
     without it. Checked after 2 steps from the same start; the config is checked with the key in the CLI's form."""
     moved = {}
     for name, override in (("plain", "train.lr_ratio={}"), ("ratios", "train.lr_ratio={mlp: 0.0, fc: 0.5}")):
-        tr = Trainer(load_config("tiny", [f"run_dir={tmp_path / name}", override]), restore=False)
+        tr = open_trainer(load_config("tiny", [f"run_dir={tmp_path / name}", override]), restore=False)
         start = {k: np.array(v) for k, v in nnx.to_flat_state(tr.state["params"])}
         tr.train(max_steps=2)
         moved[name] = {".".join(map(str, k)): np.array(v) - start[k] for k, v in nnx.to_flat_state(tr.state["params"])}
@@ -335,18 +334,18 @@ def test_drafter_init_starts_from_an_exported_drafter(run30, tmp_path):
 
     export = run30[0] / "export"
     _, exported = load_drafter(export, dtype="float32")
-    tr = Trainer(
+    tr = open_trainer(
         load_config("tiny", [f"run_dir={tmp_path / 'ft'}", f"drafter.init={export}", "block_size=4", "seed=1"]),
         restore=False,
     )
-    fresh = Trainer(load_config("tiny", [f"run_dir={tmp_path / 'fresh'}", "seed=1"]), restore=False)
+    fresh = open_trainer(load_config("tiny", [f"run_dir={tmp_path / 'fresh'}", "seed=1"]), restore=False)
     got, want, control = _params(tr.drafter()), _params(exported), _params(fresh.drafter())
     assert set(got) == set(want)
     for k in want:
         np.testing.assert_array_equal(got[k], want[k], err_msg=str(k))
     assert max(float(np.abs(control[k] - want[k]).max()) for k in want) > 1e-2  # the seed alone gives other weights
     with pytest.raises(ValueError, match=r"drafter.init=.*num_hidden_layers"):
-        Trainer(
+        open_trainer(
             load_config(
                 "tiny",
                 [
@@ -373,7 +372,7 @@ def test_drafter_init_layers_grows_an_export_that_drafts_the_same(run30, tmp_pat
     export = run30[0] / "export"
     _, exported = load_drafter(export, dtype="float32")
     grow = ["drafter.num_layers=4", "drafter.init_layers=[0, null, 1, null]"]
-    tr = Trainer(
+    tr = open_trainer(
         load_config("tiny", [f"run_dir={tmp_path / 'grow'}", f"drafter.init={export}", "seed=1", *grow]),
         restore=False,
     )
@@ -389,11 +388,11 @@ def test_drafter_init_layers_grows_an_export_that_drafts_the_same(run30, tmp_pat
         assert all(np.abs(new[k]).max() > 1e-3 for k in new if k not in zero)  # the rest keep their random init
 
     rng = np.random.default_rng(0)
-    tcfg = tr.target_cfg
+    tcfg = tr.run.target_cfg
     tokens = jnp.asarray(rng.integers(0, tcfg.vocab_size - 1, (2, 32)), jnp.int32)
     feats = jnp.asarray(rng.standard_normal((2, 32, exported.fc.get_value().shape[0])), jnp.float32)
     anchors = jnp.asarray([[3, 10, 20], [5, 12, 22]], jnp.int32)
-    hid = lambda d: np.asarray(train_logits(d, tr.target, feats, tokens, anchors, 8, hidden_only=True))
+    hid = lambda d: np.asarray(train_logits(d, tr.run.target, feats, tokens, anchors, 8, hidden_only=True))
     np.testing.assert_allclose(hid(tr.drafter()), hid(exported), rtol=1e-5, atol=1e-5)
 
     bad = {
@@ -402,12 +401,12 @@ def test_drafter_init_layers_grows_an_export_that_drafts_the_same(run30, tmp_pat
     }
     for override, msg in bad.items():
         with pytest.raises(ValueError, match=msg):
-            Trainer(
+            open_trainer(
                 load_config("tiny", [f"run_dir={tmp_path / 'bad'}", f"drafter.init={export}", *grow, override]),
                 restore=False,
             )
     with pytest.raises(ValueError, match=r"drafter.init_layers=.*needs drafter.init to name a drafter directory"):
-        Trainer(load_config("tiny", [f"run_dir={tmp_path / 'bad2'}", *grow]), restore=False)
+        open_trainer(load_config("tiny", [f"run_dir={tmp_path / 'bad2'}", *grow]), restore=False)
 
 
 def test_grown_config_keeps_the_loaded_layer_types_and_window():
@@ -475,7 +474,7 @@ def test_token_ids_beyond_the_target_vocabulary_are_refused_before_training():
 
 def test_rows_longer_than_the_target_positions_are_refused(tmp_path):
     with pytest.raises(ValueError, match="train.max_len=4096 exceeds the target's max_position_embeddings=2048"):
-        Trainer(load_config("tiny", [f"run_dir={tmp_path}", "train.max_len=4096"]), restore=False)
+        open_trainer(load_config("tiny", [f"run_dir={tmp_path}", "train.max_len=4096"]), restore=False)
 
 
 def _tb_scalars(tb_dir):
@@ -500,7 +499,7 @@ def test_tensorboard_logs_and_a_profile_appear(tmp_path):
     """log.tensorboard=true writes scalars a TensorBoard reads: the same losses as metrics.jsonl; log.profile_steps
     writes a jax.profiler trace of step 2 (a run without it writes none: test_loss_falls_and_target_frozen)."""
     overrides = [f"run_dir={tmp_path}", "log.tensorboard=true", "log.profile_steps=1", "log.profile_start=2"]
-    tr = Trainer(load_config("tiny", overrides), restore=False)
+    tr = open_trainer(load_config("tiny", overrides), restore=False)
     tr.train(max_steps=3)
     traces = list((tmp_path / "profile").rglob("*.xplane.pb"))
     assert len(traces) == 1 and traces[0].stat().st_size > 1000, traces
@@ -537,7 +536,7 @@ def test_labelled_positions_are_counted_as_the_step_counts_them(tmp_path):
     cfg = load_config("tiny", [f"run_dir={tmp_path / 'run'}", *over])
     counted = labelled_positions(build_run(load_config("tiny", [f"run_dir={tmp_path / 'count'}", *over]),
                                            tmp_path / "count"), 4)  # fmt: skip
-    tr = Trainer(cfg)
+    tr = open_trainer(cfg)
     tr.train()
     logged = [json.loads(line)["valid_labels"] for line in (tmp_path / "run" / "metrics.jsonl").open()]
     assert counted == logged and len(set(counted)) > 1 and min(counted) > 0

@@ -16,7 +16,8 @@ from fsspec.implementations.memory import MemoryFileSystem
 
 from dflash_model.files import local_dir, pull, push
 from train.config import load_config
-from train.trainer import Trainer
+from train.trainer import open_trainer
+from train.workflow import export_run
 
 
 class FakeGCS(MemoryFileSystem):
@@ -77,21 +78,22 @@ def test_push_copies_new_and_changed_files_only(bucket, tmp_path):
 def test_uri_run_trains_mirrors_and_resumes_on_a_fresh_host(bucket, tmp_path, monkeypatch):
     keys = ["run_dir=gs://bucket/run", f"checkpoint.dir={tmp_path / 'ck'}", "train.steps=4", "checkpoint.every_steps=2"]
     monkeypatch.chdir(tmp_path)
-    tr = Trainer(load_config("tiny", keys), restore=False)
-    summary = tr.train()
+    tr = open_trainer(load_config("tiny", keys), restore=False)
+    tr.train()
+    exported = export_run(tr)
     remote = bucket / "run"
     lines = (remote / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in lines] == [1, 2, 3, 4]
     export = remote / "export" / "model.safetensors"
     assert export.read_bytes() == (tr.run_dir / "export" / "model.safetensors").read_bytes()
-    assert summary["export"] == str(tr.run_dir / "export")
+    assert exported == tr.run_dir / "export"
     assert not (tmp_path / "gs:").exists()  # the old pathlib behaviour: a local directory named "gs:"
 
     # A fresh host: no staging directory. The metrics come back from the bucket, the state from the checkpoint.
     staging = local_dir("gs://bucket/run")
     for p in sorted(staging.rglob("*"), reverse=True):
         p.unlink() if p.is_file() else p.rmdir()
-    more = Trainer(load_config("tiny", [*keys, "train.steps=6"]))
+    more = open_trainer(load_config("tiny", [*keys, "train.steps=6"]))
     assert more.restored_step == 4
     assert (staging / "metrics.jsonl").read_text().splitlines() == lines
     more.train()

@@ -7,7 +7,7 @@ tests/test_tau_rises.py and tests/test_learns_context.py.
      (`infer.plain.greedy_generate`, batched). Real tau is acceptance against exactly this greedy text, so the
      drafter must learn it: trained on any other text its real tau stays near 1 however far its loss falls.
   2. Training records of those token ids (the prompt outside the loss mask, the continuation inside), given to
-     the Trainer as its data (`Trainer(records=...)`: the conversation path's padding, anchors and iterator).
+     the Trainer as its data (`open_trainer(records=...)`: the conversation path's padding, anchors and iterator).
   3. `Trainer.train()`. sim_tau of the first step (the untrained drafter: metrics are computed before the update)
      against the mean of the last ten, from metrics.jsonl; and sim_tau of both drafters on held-out records.
   4. Real tau: both drafters exported in the z-lab format and read back with `infer.loading.load_draft_spec` (what
@@ -49,7 +49,7 @@ from infer.measure import run_comparison
 from infer.plain import greedy_generate
 from infer.proposers import NGramProposer
 from train.config import load_config
-from train.trainer import Trainer
+from train.trainer import open_trainer
 
 DEFAULT_STD = 0.08  # the scale these runs' expectations were set at (conftest.TINY_STD); the Trainer's is init_std
 WINDOW = 20  # steps per accuracy window
@@ -156,7 +156,7 @@ def heldout_sim_tau(trainer, params, records, seed: int) -> float:
     )
     batch = {k: jnp.asarray(v) for k, v in next(iter(ds)).items() if k != "index"}
     fn = jax.jit(lambda p, t, b: loss_and_metrics(trainer, p, t, b)[1]["sim_tau"])
-    return float(fn(params, trainer.t_state, batch))
+    return float(fn(params, trainer.run.t_state, batch))
 
 
 def _copy(tree):
@@ -192,7 +192,7 @@ def run_tiny_tau(s: Settings, run_dir: Path, *, progress: bool = False) -> dict:
 
     if s.data not in ("target", "synthetic"):
         raise ValueError(f"data={s.data!r}: expected target or synthetic")
-    trainer = Trainer(cfg, target=target, records=train_records if s.data == "target" else None, restore=False)
+    trainer = open_trainer(cfg, target=target, records=train_records if s.data == "target" else None, restore=False)
     untrained = _copy(trainer.state["params"])  # the step donates the state's buffers
     t0 = time.perf_counter()
     summary = trainer.train()
@@ -213,11 +213,11 @@ def run_tiny_tau(s: Settings, run_dir: Path, *, progress: bool = False) -> dict:
     }
 
     # Real tau: both drafters through the z-lab export and infer.eval's loader and decode loop.
-    dcfg = trainer.drafter_cfg
+    dcfg = trainer.run.drafter_cfg
     drafts = []
     for name, params in (("untrained", untrained), ("trained", trained)):
         out = export_drafter(nnx.merge(trainer.d_graph, params), dcfg, run_dir / f"export-{name}", dtype="float32")
-        drafts.append(dataclasses.replace(load_draft_spec(str(out), trainer.target_cfg), name=name))
+        drafts.append(dataclasses.replace(load_draft_spec(str(out), trainer.run.target_cfg), name=name))
     if s.ngram:
         drafts.append(Draft("ngram", NGramProposer(), None, s.block_size))
     t0 = time.perf_counter()
@@ -354,7 +354,7 @@ def run_task(
     target = tiny_target(cfg, s.target_std)
     records = task_records(task, TASK_ROWS, int(cfg.target.arch["vocab_size"]), int(cfg.drafter.mask_token_id), seed)
     t0 = time.time()
-    Trainer(cfg, target=target, records=records, restore=False).train()
+    open_trainer(cfg, target=target, records=records, restore=False).train()
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
     return {
         "name": name,

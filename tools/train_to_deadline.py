@@ -78,12 +78,13 @@ def _train(args, name: str, overrides: list[str], cfg, lock) -> dict:
     logging.getLogger("absl").setLevel(logging.WARNING)
     log = logging.getLogger("train_to_deadline")
 
-    from train.trainer import Trainer
+    from train.trainer import open_trainer
+    from train.workflow import export_run
 
     t0 = time.time()
-    trainer = Trainer(cfg, restore=False, lock=lock)
+    trainer = open_trainer(cfg, restore=False, lock=lock)
     (trainer.run_dir / "config.yml").write_text(cfg.dump())
-    log.info("trainer built in %.0f s: %d batches an epoch", time.time() - t0, trainer.batches_per_epoch)
+    log.info("trainer built in %.0f s: %d batches an epoch", time.time() - t0, trainer.run.batches_per_epoch)
     stop_at = args.deadline - EXPORT_S
     # Between the trainer's own SIGTERM handlers (installed only inside train()) this one keeps the signal a request.
     signal.signal(signal.SIGTERM, lambda signum, _frame: setattr(trainer, "_stop_signal", signum))
@@ -95,14 +96,14 @@ def _train(args, name: str, overrides: list[str], cfg, lock) -> dict:
         recs = [json.loads(line) for line in trainer.metrics_path.open()]
         compile_s, step_s = recs[0]["step_s"], statistics.median(r["step_s"] for r in recs[1:] or recs)
         fit = trainer.step + int((stop_at - time.time() - compile_s) / step_s)
-        total = max(trainer.step + 1, min(fit, trainer.batches_per_epoch * int(cfg.train.epochs)))
+        total = max(trainer.step + 1, min(fit, trainer.run.batches_per_epoch * int(cfg.train.epochs)))
         log.info("step %.3f s (first %.0f s): %d steps fit before the deadline", step_s, compile_s, total)
         trainer.total_steps = total  # read by trainer.program(): the next train() compiles the fitted schedule
         (trainer.run_dir / "config.yml").write_text(load_config(name, [*overrides, f"train.steps={total}"]).dump())
         summary = trainer.train()
     timer.cancel()  # the export is not a step: a SIGTERM now would only set a flag nobody reads
     if "export" not in summary:
-        summary["export"] = str(trainer.export())
+        summary["export"] = str(export_run(trainer))
     summary.update(total_steps=total, wall_s=time.time() - t0)
     (trainer.run_dir / "budget_summary.json").write_text(json.dumps(summary, indent=1))
     log.info("done: %s", summary)

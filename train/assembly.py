@@ -19,6 +19,7 @@ from dflash_model import sharding as shd
 from dflash_model.config import preset
 from dflash_model.drafter import check_pairing, drafter_config_for, drafter_preset
 from dflash_model.drafter_weights import export_config
+from dflash_model.files import local_dir, pull
 from dflash_model.speculators_format import VERIFIER_ARCHITECTURES
 from dflash_model.target import config_of, is_maxtext, random_target
 from dflash_model.tokenizer import load_tokenizer
@@ -51,20 +52,31 @@ class Run:
     vocab_ids: jax.Array | None = None
 
 
+def stage_run_dir(cfg) -> Path:
+    """The local directory of cfg.run_dir, made: the run directory itself, or for a URI (gs://bucket/run) the staging
+    directory whose files `dflash_model.files.push` mirrors there; a fresh host resuming a URI run gets its
+    metrics.jsonl and config.yml back first (process 0)."""
+    run_dir = local_dir(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if jax.process_index() == 0:
+        pull(str(cfg.run_dir))
+    return run_dir
+
+
 def build_run(cfg, run_dir: Path, *, devices=None, target=None, records=None) -> Run:
     """The run's world from cfg. target: a target module to train against instead of the one cfg.target names;
     records: TokenizedRecords to train on instead of cfg.data's source. The offline features are built (or opened)
     under run_dir unless features.cache_dir names a place."""
     mesh = resolve_mesh(cfg, devices)
     n_batch = mesh.shape["data"] * mesh.shape["fsdp"]
-    if int(cfg.train.batch_size) % n_batch:
+    if cfg.train.batch_size % n_batch:
         raise ValueError(f"train.batch_size={cfg.train.batch_size} is not divisible by data x fsdp = {n_batch}")
 
     target, tokenizer_path = (target, None) if target is not None else load_target_model(cfg, mesh)
     target_cfg = config_of(target)
     drafter_cfg = drafter_config(cfg, target_cfg)
     positions = target_cfg.max_position_embeddings
-    for key, value in (("block_size", int(cfg.block_size)), ("train.max_len", int(cfg.train.max_len))):
+    for key, value in (("block_size", cfg.block_size), ("train.max_len", cfg.train.max_len)):
         if value > positions:
             raise ValueError(f"{key}={value} exceeds the target's max_position_embeddings={positions}")
     check_eval_lengths(cfg, positions)
@@ -91,12 +103,12 @@ def build_run(cfg, run_dir: Path, *, devices=None, target=None, records=None) ->
         t_graph, t_state,
     )  # fmt: skip
     if cfg.features.mode == "offline":
-        run.features, run.labels = open_or_build(run, records, chunk=int(cfg.train.batch_size) // jax.process_count())
+        run.features, run.labels = open_or_build(run, records, chunk=cfg.train.batch_size // jax.process_count())
     if cfg.draft_vocab is not None:
         if cfg.drafter.init_vocab:
             ids = init_draft_vocab(cfg, target_cfg.vocab_size)
         else:
-            ids = draft_vocabulary(records, target_cfg.vocab_size, int(cfg.draft_vocab))
+            ids = draft_vocabulary(records, target_cfg.vocab_size, cfg.draft_vocab)
         run.vocab_ids = jax.device_put(jnp.asarray(ids), NamedSharding(mesh, PartitionSpec()))
     return run
 
@@ -130,7 +142,7 @@ def load_target_model(cfg, mesh=None):
             )
         from dflash_model.maxtext_target import load_maxtext_target  # the optional maxtext extra
 
-        model = load_maxtext_target(t.path, t.maxtext, dtype=t.dtype, mesh=mesh, max_length=int(cfg.train.max_len))
+        model = load_maxtext_target(t.path, t.maxtext, dtype=t.dtype, mesh=mesh, max_length=cfg.train.max_len)
         return model, Path(t.path)
     if t.path is not None:
         path = assets.target_file(t.path)
@@ -138,7 +150,7 @@ def load_target_model(cfg, mesh=None):
         return model, Path(path)
     tcfg = preset(t.preset).replace(**dict(t.arch), dtype=t.dtype)
     # Random targets are for shapes, throughput and tests: drawn on the mesh, each device its own shard.
-    return random_target(tcfg, seed=int(cfg.seed), mesh=mesh), None
+    return random_target(tcfg, seed=cfg.seed, mesh=mesh), None
 
 
 def drafter_config(cfg, target_cfg):
@@ -236,8 +248,8 @@ def labelled_positions(run: Run, steps: int, until: int | None = None) -> list[i
     cfg = run.cfg
     if cfg.data.labels == "target":
         raise ValueError("labelled_positions counts text labels; data.labels=target needs the target's forward")
-    k = int(cfg.block_size)
-    slots = loss_slots(k, None if cfg.loss_positions is None else int(cfg.loss_positions))
+    k = cfg.block_size
+    slots = loss_slots(k, cfg.loss_positions)
     counts, batches = [], iter(run.dataset)
     for _ in range(steps):
         b = next(batches)

@@ -204,6 +204,10 @@ class RunConfig:
     def dump(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
+    def with_data(self, **changes) -> RunConfig:
+        """This config with data keys replaced (e.g. source= the JSONL a regeneration wrote), validated again."""
+        return dataclasses.replace(self, data=dataclasses.replace(self.data, **changes)).validate()
+
     def validate(self) -> RunConfig:
         """Ranges and choices of every key, then every check across keys; each error names the key."""
         _check_bounds(self, "")
@@ -222,6 +226,11 @@ class RunConfig:
             raise ValueError(
                 f"target.attention={self.target.attention} chooses the Tunix target's attention; a MaxText target "
                 "(target.maxtext) runs MaxText's own: leave target.attention=einsum"
+            )
+        if self.distill_weight and self.features.mode != "online":
+            raise ValueError(
+                f"distill_weight={self.distill_weight} needs features.mode=online (the teacher is the "
+                f"target's last layer, computed in the step), not {self.features.mode!r}"
             )
         _check_source(self.data.source)
         _check_drafter(self.drafter, self.draft_vocab)
@@ -275,8 +284,19 @@ def _build(cls, tree, prefix: str):
             raise ValueError(f"{prefix}{key}={value!r}: expected {_type_name(hint)} (configs/base.yml documents it)")
         if isinstance(value, float) and not math.isfinite(value):  # YAML reads .inf and .nan as numbers
             raise ValueError(f"{prefix}{key}={value!r}: must be a finite number")
+        if isinstance(value, int) and not isinstance(value, bool) and not _takes_int(hint):
+            value = float(value)  # `gamma: 7` in YAML: a float key holds a float, so no reader casts it
         out[f.name] = tuple(value) if isinstance(value, list) else value
     return cls(**out)
+
+
+def _takes_int(hint) -> bool:
+    """Whether an int value is an int under `hint` (int, int | None, a free-form dict, ...) rather than a float."""
+    if hint is float:
+        return False
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return all(_takes_int(a) for a in typing.get_args(hint) if a is not type(None))
+    return True
 
 
 def _plain(obj):

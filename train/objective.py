@@ -28,7 +28,7 @@ def default_gamma(block_size: int) -> float:
 
 def gamma_of(cfg) -> float:
     """The loss decay a config trains with: its `gamma`, or the default for its block size."""
-    return float(cfg.gamma) if cfg.gamma is not None else default_gamma(int(cfg.block_size))
+    return cfg.gamma if cfg.gamma is not None else default_gamma(cfg.block_size)
 
 
 def position_weights(block_size: int, gamma: float):

@@ -154,15 +154,15 @@ def plan(cfg, pod: Pod) -> dict:
     )
     state = {"params": params, "opt": opt, "step": jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)}
 
-    b, length = int(cfg.train.batch_size), int(cfg.train.max_len)
+    b, length = cfg.train.batch_size, cfg.train.max_len
     n_batch = mesh.shape["data"] * mesh.shape["fsdp"]
     if b % n_batch:
         raise ValueError(
             f"train.batch_size={b} does not split over data x fsdp = {n_batch} devices of {pod.name}: set "
             "train.batch_size to a multiple, or mesh.tensor to take the rest"
         )
-    k = int(cfg.block_size)
-    n_anchors = int(cfg.num_anchors)
+    k = cfg.block_size
+    n_anchors = cfg.num_anchors
     batch = {
         "input_ids": jax.ShapeDtypeStruct((b, length), jnp.int32, sharding=batch_sharding(mesh, 2)),
         "loss_mask": jax.ShapeDtypeStruct((b, length), jnp.bool_, sharding=batch_sharding(mesh, 2)),
@@ -171,7 +171,7 @@ def plan(cfg, pod: Pod) -> dict:
     }
     vocab_ids = None
     if cfg.draft_vocab is not None:
-        vocab_ids = jax.ShapeDtypeStruct((int(cfg.draft_vocab),), jnp.int32, sharding=rep)
+        vocab_ids = jax.ShapeDtypeStruct((cfg.draft_vocab,), jnp.int32, sharding=rep)
     offline = cfg.features.mode == "offline"
     if offline:
         batch["features"] = jax.ShapeDtypeStruct(
@@ -228,7 +228,7 @@ def plan(cfg, pod: Pod) -> dict:
             block=k,
             online=not offline,
             labels=prog.target_labels,
-            vocab=int(cfg.draft_vocab) if cfg.draft_vocab is not None else tcfg.vocab_size,
+            vocab=cfg.draft_vocab if cfg.draft_vocab is not None else tcfg.vocab_size,
             labelled_slots=loss_slots(k, prog.loss_positions) - 1,
         ),
         "xla_flops_per_device": float(cost.get("flops", float("nan"))),

@@ -87,19 +87,18 @@ def main(argv: list[str] | None = None) -> dict:
     # second training in it is refused with every file as it was. Held to the end of the eval.
     lock = open_run_dir(cfg.run_dir, checkpoint_dir=cfg.checkpoint.dir) if jax.process_index() == 0 else None
     try:
-        return _run(name, overrides, cfg, lock)
+        return _run(name, cfg, lock)
     finally:
         if lock is not None:
             lock.release()
 
 
-def _run(name: str, overrides: list[str], cfg, lock) -> dict:
+def _run(name: str, cfg, lock) -> dict:
     """The run under the run directory's lock: data, training, export, eval."""
     import jax
 
     from train import workflow
-    from train.assembly import load_target_model, resolve_mesh
-    from train.config import load_config
+    from train.assembly import build_run, load_target_model, resolve_mesh, stage_run_dir
     from train.trainer import Trainer
 
     log = logging.getLogger("dflash.train")
@@ -116,14 +115,14 @@ def _run(name: str, overrides: list[str], cfg, lock) -> dict:
         tok_source = cfg.data.tokenizer or tok_path
         tokenizer = load_tokenizer(tok_source)
         path, heldout = workflow.prepare_regenerated(cfg, target, tokenizer, _target_name(cfg))
-        cfg = load_config(name, [*overrides, f"data.source={path}", f"data.tokenizer={tok_source}"])
+        cfg = cfg.with_data(source=str(path), tokenizer=str(tok_source))
     else:
         if cfg.data.source == "mix":
-            cfg = load_config(name, [*overrides, f"data.source={workflow.prepare_mix(cfg.data)}"])
+            cfg = cfg.with_data(source=str(workflow.prepare_mix(cfg.data)))
         workflow.announce_start(cfg)
     log.info("resolved config (%s):\n%s", name, cfg.dump())
 
-    trainer = Trainer(cfg, target=target, lock=lock)
+    trainer = Trainer(build_run(cfg, stage_run_dir(cfg), target=target), lock=lock)
     if jax.process_index() == 0:  # like metrics.jsonl and the export: one writer in a multi-process run
         atomic_write_text(trainer.run_dir / "config.yml", cfg.dump())
         trainer.push()
@@ -133,7 +132,7 @@ def _run(name: str, overrides: list[str], cfg, lock) -> dict:
         "will train a %d-layer K=%d drafter (gamma %.2f) on %s for %d more steps (%s), %d anchors/seq, "
         "batch %d x %d tokens; first step compiles (seconds for tiny, minutes for 4B+ targets); "
         "checkpoints every %d steps in %s",
-        trainer.drafter_cfg.num_hidden_layers,
+        trainer.run.drafter_cfg.num_hidden_layers,
         trainer.block_size,
         trainer.gamma,
         what,
@@ -146,6 +145,10 @@ def _run(name: str, overrides: list[str], cfg, lock) -> dict:
         trainer.checkpoints.dir,
     )
     summary = trainer.train()
+    if trainer.step >= trainer.total_steps and summary["stopped_by"] is None and cfg.export.enabled:
+        path = workflow.export_run(trainer)  # every process: FSDP shards are gathered from all; process 0 writes
+        if path is not None:
+            summary["export"] = str(path)
     log.info("done: %s", summary)
 
     reports = workflow.end_of_run_eval(cfg, trainer, summary, tokenizer, heldout)

@@ -27,7 +27,7 @@ from train.objective import gamma_of
 def random_start(cfg, drafter, target, records):
     """The seed's drafter; drafter.init_logit_std scales its output norm."""
     if cfg.drafter.init_logit_std is not None:
-        drafter = scale_output_norm(drafter, target, float(cfg.drafter.init_logit_std))
+        drafter = scale_output_norm(drafter, target, cfg.drafter.init_logit_std)
     return drafter
 
 
@@ -55,7 +55,7 @@ def start_drafter(cfg, drafter_cfg, target, records):
             f"drafter.init={cfg.drafter.init} and drafter.init_logit_std both set: an initialised drafter keeps its "
             "own output norm"
         )
-    return STARTS[name](cfg, build_drafter(drafter_cfg, seed=int(cfg.seed)), target, records)
+    return STARTS[name](cfg, build_drafter(drafter_cfg, seed=cfg.seed), target, records)
 
 
 def init_weights(drafter, dcfg, init_dir, target_cfg, layers=None) -> None:
@@ -132,7 +132,7 @@ def init_draft_vocab(cfg, vocab_size: int) -> np.ndarray:
     ids = load_draft_vocab(init, vocab_size)
     if ids is None:
         raise ValueError(f"drafter.init_vocab=true: {Path(init) / DRAFT_VOCAB_FILE} does not exist")
-    if len(ids) != int(cfg.draft_vocab):
+    if len(ids) != cfg.draft_vocab:
         raise ValueError(
             f"drafter.init_vocab=true: {Path(init) / DRAFT_VOCAB_FILE} holds {len(ids)} tokens, draft_vocab="
             f"{cfg.draft_vocab}"

@@ -153,19 +153,19 @@ class Program:
         """The step `cfg` asks for (block, loss and optimizer keys) over these graphs, on `mesh`, for a state
         laid out like `state` (arrays or ShapeDtypeStructs). target_labels: the step labels the data with the
         target's own forward (data.labels=target with online features)."""
-        block = int(cfg.block_size)
+        block = cfg.block_size
         return cls(
             d_graph=d_graph,
             t_graph=t_graph,
             block_size=block,
             gamma=gamma_of(cfg),
-            ce_chunk=int(cfg.ce_chunk),
-            loss_positions=None if cfg.loss_positions is None else int(cfg.loss_positions),
-            distill_weight=float(cfg.distill_weight),
+            ce_chunk=cfg.ce_chunk,
+            loss_positions=cfg.loss_positions,
+            distill_weight=cfg.distill_weight,
             layer_ids=tuple(layer_ids),
-            zero_features=bool(cfg.features.zero),
+            zero_features=cfg.features.zero,
             target_labels=bool(target_labels),
-            compute_dtype=str(cfg.train.compute_dtype),
+            compute_dtype=cfg.train.compute_dtype,
             attention=cfg.target.attention,
             # lr_ratio is a dict: frozen to pairs so the Program stays hashable (make_optimizer reads either)
             opt=tuple(

@@ -23,6 +23,7 @@ from jax.experimental import multihost_utils
 from data.conversations import iter_jsonl, load_conversations
 from data.mix import mix, parse_part
 from dflash_model import sharding as shd
+from dflash_model.drafter_weights import export_drafter
 from dflash_model.files import atomic_write_bytes, atomic_write_text, cache_root, run_path
 from dflash_model.target import is_maxtext
 from dflash_model.tokenizer import load_tokenizer, stop_token_ids
@@ -34,6 +35,7 @@ from infer.measure import run_comparison
 from infer.metrics import strict_dumps
 from infer.projection import HEADLINE_PROFILE
 from infer.report import format_comparison, format_table, plot_comparison
+from train.assembly import EXPORT_LAYOUT, export_verifier
 from train.regenerate import first_turn_prompt, pending, regenerate
 
 log = logging.getLogger("dflash.train")
@@ -159,9 +161,9 @@ def announce_start(cfg, *, regen_todo: int = 0) -> None:
         f"train a K={cfg.block_size} drafter for {length} ({per_step}), "
         f"checkpointing to {cfg.checkpoint.dir or run_path(cfg.run_dir, 'checkpoints')}"
     )
-    if bool(cfg.export.enabled):
+    if cfg.export.enabled:
         parts.append(f"export it in the z-lab format to {run_path(cfg.run_dir, 'export')}")
-    if bool(cfg.eval.enabled):
+    if cfg.eval.enabled:
         e = cfg.eval
         mins = int(e.num_prompts) * int(e.max_new_tokens) * EVAL_S_PER_PROMPT_TOKEN / 60
         parts.append(
@@ -211,15 +213,15 @@ def end_of_run_eval(cfg, trainer, summary: dict, tokenizer, heldout: list[dict] 
     gathered onto its own devices (the decode loop reads values on the host every round, which an array that
     spans other processes' devices does not allow), and the others wait for it at a barrier."""
     finished = trainer.step >= trainer.total_steps and summary["stopped_by"] is None
-    if not bool(cfg.eval.enabled) or not finished:
+    if not cfg.eval.enabled or not finished:
         return None
-    if is_maxtext(trainer.target):
+    if is_maxtext(trainer.run.target):
         log.warning("the end-of-run eval decodes with the Tunix target, not MaxText's: run python -m infer.eval "
                     "--target %s --draft <run_dir>/export", cfg.target.path)  # fmt: skip
         return None
     export = Path(summary["export"]) if summary.get("export") else None
     many = jax.process_count() > 1
-    if many and not bool(cfg.export.enabled):  # on every process: only process 0's summary names the export
+    if many and not cfg.export.enabled:  # on every process: only process 0's summary names the export
         log.warning(
             "eval.enabled under several processes evaluates the exported drafter, and export.enabled is "
             "false: no eval (export it, then run python -m infer.eval)"
@@ -236,11 +238,11 @@ def end_of_run_eval(cfg, trainer, summary: dict, tokenizer, heldout: list[dict] 
                 Path(prior.parent, "table.md").read_text(),
             )
         return None
-    target = _process0_target(trainer) if many else trainer.target
+    target = _process0_target(trainer) if many else trainer.run.target
     reports = None
     if jax.process_index() == 0:
-        if tokenizer is None and (cfg.data.tokenizer or trainer.tokenizer_path):
-            tokenizer = load_tokenizer(cfg.data.tokenizer or trainer.tokenizer_path)
+        if tokenizer is None and (cfg.data.tokenizer or trainer.run.tokenizer_path):
+            tokenizer = load_tokenizer(cfg.data.tokenizer or trainer.run.tokenizer_path)
         reports = final_eval(cfg, trainer, tokenizer, eval_rows(cfg, heldout), export, target=target)["reports"]
     shd.barrier("dflash end-of-run eval")
     return reports
@@ -251,8 +253,8 @@ def eval_settings(cfg) -> dict:
     when these match)."""
     return {
         **cfg.to_dict()["eval"],
-        "block_size": int(cfg.block_size),
-        "features_zero": bool(cfg.features.zero),
+        "block_size": cfg.block_size,
+        "features_zero": cfg.features.zero,
     }
 
 
@@ -269,11 +271,11 @@ def _same_eval(prior: Path, cfg, step: int) -> bool:
 def _process0_target(trainer):
     """The trainer's target gathered whole (a collective: every process calls it) and, on process 0, placed on
     that process's own devices, FSDP-sharded over them; None elsewhere."""
-    whole = multihost_utils.process_allgather(trainer.t_state, tiled=True)  # tiled: the global value itself
+    whole = multihost_utils.process_allgather(trainer.run.t_state, tiled=True)  # tiled: the global value itself
     if jax.process_index() != 0:
         return None
     local = shd.make_mesh(fsdp=jax.local_device_count(), devices=jax.local_devices())
-    return shd.shard_model(nnx.merge(trainer.t_graph, whole), local)
+    return shd.shard_model(nnx.merge(trainer.run.t_graph, whole), local)
 
 
 def train_serve(target, trainer, dflash, prompts: list[list[int]], report: dict) -> dict:
@@ -302,16 +304,16 @@ def final_eval(cfg, trainer, tokenizer, rows: list[dict], export_dir: Path | Non
     """Decode `rows` plainly, with the trained drafter and with n-gram; write <run_dir>/eval/ and print a table.
     `target` defaults to the trainer's."""
     e = cfg.eval
-    target = trainer.target if target is None else target
-    target_cfg = trainer.target_cfg
+    target = trainer.run.target if target is None else target
+    target_cfg = trainer.run.target_cfg
     block = int(e.block) if e.block is not None else None
-    zero = bool(cfg.features.zero)
+    zero = cfg.features.zero
     if export_dir is not None:
         # The exported files, as a server would load them (bf16 values, computed in the target's dtype).
         dflash = load_draft_spec(str(export_dir), target_cfg, block, dtype=target_cfg.dtype, zero_features=zero)
     else:
         drafter = trainer.drafter()
-        vocab = None if trainer.vocab_ids is None else tuple(int(i) for i in jax.device_get(trainer.vocab_ids))
+        vocab = None if trainer.run.vocab_ids is None else tuple(int(i) for i in jax.device_get(trainer.run.vocab_ids))
         dflash = dflash_draft("dflash", drafter, drafter.config, block, zero_features=zero, vocab=vocab)
     drafts = [dflash]
     for k in e.also_blocks:  # each in 2..the eval's K: train.config checked it when the config was read
@@ -393,3 +395,32 @@ def final_eval(cfg, trainer, tokenizer, rows: list[dict], export_dir: Path | Non
     trainer.push()
     log.info("eval written to %s (eval.json, table.md, acceptance.png) in %.1f min", out, summary["wall_s"] / 60)
     return summary
+
+
+def export_run(trainer) -> Path | None:
+    """The trainer's drafter in export.format's format(s) (EXPORT_LAYOUT: <run_dir>/export/, and
+    export-speculators/ for `both`). With several processes every one must call this (the parameters are gathered
+    across them); process 0 writes and gets the path of export/, the others None."""
+    if jax.process_count() > 1:
+        params = multihost_utils.process_allgather(trainer.state["params"], tiled=True)  # host numpy, whole
+        if jax.process_index() != 0:
+            return None
+        drafter = nnx.merge(trainer.d_graph, params)
+    else:
+        drafter = trainer.drafter()
+    cfg = trainer.cfg
+    verifier = export_verifier(cfg, trainer.run.target_cfg)
+    paths = [
+        export_drafter(
+            drafter,
+            drafter.config,
+            trainer.run_dir / sub,
+            dtype=cfg.export.dtype,
+            draft_vocab=trainer.run.vocab_ids,
+            fmt=fmt,
+            verifier=verifier,
+        )
+        for fmt, sub in EXPORT_LAYOUT[cfg.export.format]
+    ]
+    trainer.push()
+    return paths[0]
