@@ -1,4 +1,5 @@
-"""Training batches as a grain pipeline whose iterator state is checkpointed: synthetic records or data.pipeline.
+"""Training batches as a grain pipeline whose iterator state is checkpointed (data.pipeline), over conversations,
+given records or synthetic ones.
 
 A batch is numpy {input_ids [B,T] int32, loss_mask [B,T] bool, lengths [B] int32, anchors [B,N] int32 (-1 pads)}.
 Anchors are drawn inside the pipeline by `random_map`, keyed on the record's index in the repeated, shuffled
@@ -9,43 +10,32 @@ from __future__ import annotations
 
 import math
 
-import grain
 import jax
 import numpy as np
 
 from data import pipeline
-from data.pipeline import sample_anchors  # the one anchor rule, for synthetic and conversation rows alike
+from data.pipeline import TokenizedRecords
 
 
-def synthetic_record(index: int, *, seed: int, max_len: int, vocab_size: int, mask_token_id: int) -> dict:
-    """A learnable fake conversation: one of a few fixed token cycles at a random phase, 5% of tokens replaced
-    by noise, the first quarter a prompt outside the loss mask. A block's tokens follow from its first token,
-    so a working drafter + objective must drive the loss well below log(V) within a few dozen steps."""
+def synthetic_records(n: int, *, seed: int, max_len: int, vocab_size: int, mask_token_id: int) -> TokenizedRecords:
+    """n learnable fake conversations: each one of a few fixed token cycles at a random phase, 5% of tokens replaced
+    by noise, the first quarter a prompt outside the loss mask, max_len/2..max_len tokens long. A block's tokens
+    follow from its first token, so a working drafter + objective must drive the loss well below log(V) within a
+    few dozen steps. They go through the same grain pipeline, padding and anchor sampler as real conversations."""
     cycles = np.random.default_rng(seed).choice(
         [v for v in range(min(vocab_size, 4096)) if v != mask_token_id], size=(4, 12), replace=False
     )
-    rng = np.random.default_rng((seed, index))
-    length = int(rng.integers(max_len // 2, max_len + 1))
-    prompt = int(rng.integers(2, max(3, length // 4)))
-    cycle = cycles[rng.integers(0, len(cycles))]
-    toks = cycle[(int(rng.integers(0, cycle.size)) + np.arange(max_len)) % cycle.size]
-    noise = rng.random(max_len) < 0.05
-    toks = np.where(noise, cycles.reshape(-1)[rng.integers(0, cycles.size, max_len)], toks)
-    pos = np.arange(max_len)
-    toks = np.where(pos < length, toks, 0)
-    return {
-        "input_ids": toks.astype(np.int32),
-        "loss_mask": (pos >= prompt) & (pos < length),
-        "lengths": np.int32(length),
-        "index": np.int32(index),  # row of the offline feature cache
-    }
-
-
-def _with_anchors(num_anchors: int, block_size: int):
-    def fn(record: dict, rng: np.random.Generator) -> dict:
-        return {**record, "anchors": sample_anchors(record["loss_mask"], num_anchors, block_size, rng)}
-
-    return fn
+    examples = []
+    for index in range(n):
+        rng = np.random.default_rng((seed, index))
+        length = int(rng.integers(max_len // 2, max_len + 1))
+        prompt = int(rng.integers(2, max(3, length // 4)))
+        cycle = cycles[rng.integers(0, len(cycles))]
+        toks = cycle[(int(rng.integers(0, cycle.size)) + np.arange(length)) % cycle.size]
+        noise = rng.random(length) < 0.05
+        toks = np.where(noise, cycles.reshape(-1)[rng.integers(0, cycles.size, length)], toks)
+        examples.append({"input_ids": toks.astype(np.int32), "loss_mask": np.arange(length) >= prompt})
+    return TokenizedRecords.from_examples(examples, ids=[f"synthetic-{i}" for i in range(n)])
 
 
 def build_train_dataset(cfg, *, vocab_size: int, mask_token_id: int, tokenizer=None, records=None):
@@ -58,23 +48,14 @@ def build_train_dataset(cfg, *, vocab_size: int, mask_token_id: int, tokenizer=N
         return _record_batches(cfg, records, None, per_host_batch)
     if cfg.data.source != "synthetic":
         return _conversation_batches(cfg, tokenizer, per_host_batch)
-    base = grain.MapDataset.range(int(cfg.data.num_records)).map(
-        lambda i: synthetic_record(
-            int(i), seed=int(cfg.seed), max_len=int(t.max_len), vocab_size=vocab_size, mask_token_id=mask_token_id
-        )
+    made = synthetic_records(
+        cfg.data.num_records,
+        seed=cfg.seed,
+        max_len=int(t.max_len),
+        vocab_size=vocab_size,
+        mask_token_id=mask_token_id,
     )
-    per_epoch = len(base) // int(t.batch_size)
-    if per_epoch == 0:
-        raise ValueError(f"{len(base)} records cannot fill one batch of {t.batch_size}")
-    ds = (
-        base.seed(int(cfg.seed))
-        .repeat(int(t.epochs))
-        .shuffle()
-        .random_map(_with_anchors(int(cfg.num_anchors), int(cfg.block_size)))
-    )
-    ds = ds[jax.process_index() :: jax.process_count()]
-    ds = ds.batch(per_host_batch, drop_remainder=True)
-    return ds.to_iter_dataset(), per_epoch, base
+    return _record_batches(cfg, made, None, per_host_batch)
 
 
 def _conversation_batches(cfg, tokenizer, per_host_batch: int):
@@ -82,10 +63,8 @@ def _conversation_batches(cfg, tokenizer, per_host_batch: int):
     sharding, per-epoch anchors and exact-resume iterator)."""
     if tokenizer is None:
         raise ValueError("a conversation data source needs a tokenizer (data.tokenizer or a GGUF/HF target)")
-    limit = None if cfg.data.limit is None else int(cfg.data.limit)
-    records = pipeline.load_tokenized(
-        cfg.data.source, tokenizer, int(cfg.train.max_len), limit=limit, skip=int(cfg.data.skip)
-    )
+    limit = cfg.data.limit
+    records = pipeline.load_tokenized(cfg.data.source, tokenizer, cfg.train.max_len, limit=limit, skip=cfg.data.skip)
     return _record_batches(cfg, records, tokenizer, per_host_batch)
 
 
@@ -94,12 +73,12 @@ def _record_batches(cfg, records, tokenizer, per_host_batch: int):
     ds = pipeline.build_dataset(
         records,
         tokenizer,
-        int(cfg.train.max_len),
+        cfg.train.max_len,
         per_host_batch,
-        int(cfg.seed),
-        num_epochs=int(cfg.train.epochs),
-        num_anchors=int(cfg.num_anchors),
-        block_size=int(cfg.block_size),
+        cfg.seed,
+        num_epochs=cfg.train.epochs,
+        num_anchors=cfg.num_anchors,
+        block_size=cfg.block_size,
     )
     return ds, per_epoch, records
 
