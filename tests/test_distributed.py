@@ -23,6 +23,7 @@ from conftest import REPO
 from data.pipeline import TokenizedRecords, build_dataset
 from train.config import load_config
 from train.trainer import open_trainer
+from train.workflow import export_run
 
 STEPS = 5
 # Smaller than tiny (2 target layers, 1 drafter layer): three compilations of the step share 2 CPU cores.
@@ -124,6 +125,7 @@ def test_two_processes_train_like_one(tmp_path):
         ref = open_trainer(load_config("tiny", [f"run_dir={ref_dir}", *OVERRIDES]), restore=False)
         assert ref.run.mesh.devices.size == 2 and jax.process_count() == 1
         ref.train()
+        export_run(ref)  # what train/run.py does after a finished run
     finally:
         failure = _wait(procs, t0 + TIMEOUT_S)
     assert not failure, failure

@@ -443,17 +443,16 @@ def test_offline_features_are_keyed_by_the_token_ids(run30, tmp_path):
     records = [{"input_ids": rng.integers(0, 500, 64)} for _ in range(8)]
     root = tmp_path / "feats"
     cfg = tr.cfg
-    tr.cfg = dataclasses.replace(cfg, features=dataclasses.replace(cfg.features, cache_dir=str(root)))
-    try:
-        first, _ = open_or_build(tr, records)
-        stamp = (root / "meta.json").stat().st_mtime_ns
-        open_or_build(tr, records)
-        assert (root / "meta.json").stat().st_mtime_ns == stamp
-        records[3] = {"input_ids": np.where(np.arange(64) == 5, 7, records[3]["input_ids"])}
-        edited, _ = open_or_build(tr, records)
-        assert (root / "meta.json").stat().st_mtime_ns != stamp
-    finally:
-        tr.cfg = cfg
+    run = dataclasses.replace(
+        tr.run, cfg=dataclasses.replace(cfg, features=dataclasses.replace(cfg.features, cache_dir=str(root)))
+    )
+    first, _ = open_or_build(run, records)
+    stamp = (root / "meta.json").stat().st_mtime_ns
+    open_or_build(run, records)
+    assert (root / "meta.json").stat().st_mtime_ns == stamp
+    records[3] = {"input_ids": np.where(np.arange(64) == 5, 7, records[3]["input_ids"])}
+    edited, _ = open_or_build(run, records)
+    assert (root / "meta.json").stat().st_mtime_ns != stamp
     assert not np.allclose(first[3], edited[3]) and np.allclose(first[2], edited[2])
 
 

@@ -284,10 +284,22 @@ def _build(cls, tree, prefix: str):
             raise ValueError(f"{prefix}{key}={value!r}: expected {_type_name(hint)} (configs/base.yml documents it)")
         if isinstance(value, float) and not math.isfinite(value):  # YAML reads .inf and .nan as numbers
             raise ValueError(f"{prefix}{key}={value!r}: must be a finite number")
-        if isinstance(value, int) and not isinstance(value, bool) and not _takes_int(hint):
-            value = float(value)  # `gamma: 7` in YAML: a float key holds a float, so no reader casts it
         out[f.name] = tuple(value) if isinstance(value, list) else value
     return cls(**out)
+
+
+def _as_floats(obj):
+    """`obj` with every int in a float key made a float (`gamma: 7` in YAML), so no reader casts config values;
+    after validate(), whose messages show each value as it was written."""
+    hints = typing.get_type_hints(type(obj))
+    changes = {}
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            changes[f.name] = _as_floats(value)
+        elif isinstance(value, int) and not isinstance(value, bool) and not _takes_int(hints[f.name]):
+            changes[f.name] = float(value)
+    return dataclasses.replace(obj, **changes)
 
 
 def _takes_int(hint) -> bool:
@@ -438,5 +450,5 @@ def load_config(name_or_path: str | Path = "smollm2-135m", overrides: list[str] 
             raise ValueError(f"blocks.{k}: {e}") from None
     # `{block_size}` in run_dir: `--block 16` and `--block 128` of one preset get their own run directories
     # (a checkpoint refuses to resume under another block size).
-    cfg = RunConfig.from_dict(tree).validate()
+    cfg = _as_floats(RunConfig.from_dict(tree).validate())
     return dataclasses.replace(cfg, run_dir=cfg.run_dir.replace("{block_size}", str(cfg.block_size)))
