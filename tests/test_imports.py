@@ -133,3 +133,21 @@ def test_proposer_capabilities_are_protocols_not_attribute_probes():
         if "hasattr(" in f.read_text()
     }
     assert not probes, probes
+
+
+def test_the_trainer_receives_its_run_and_only_loops():
+    """train.trainer.Trainer takes a built Run (train.assembly.build_run) and keeps it whole: no attribute copy
+    of the run onto itself, no build, no export, no reporting of its own (train.reporting's hooks, train.workflow's
+    export_run)."""
+    import ast
+
+    tree = ast.parse((REPO / "train/trainer.py").read_text())
+    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Trainer"]
+    calls = {
+        n.func.id if isinstance(n.func, ast.Name) else n.func.attr
+        for n in ast.walk(cls)
+        if isinstance(n, ast.Call) and isinstance(n.func, (ast.Name, ast.Attribute))
+    }
+    assert not calls & {"setattr", "build_run", "export_drafter", "SummaryWriter", "start_trace"}, calls
+    init = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    assert [a.arg for a in init.args.args] == ["self", "run"]
