@@ -90,15 +90,15 @@ def git(*args: str) -> str:
     return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, check=True).stdout.strip()
 
 
-def overrides(tree: Path, rev: str, data: Path, run_dir: Path, k: int, anchors: int, dtype: str, steps: int):
+def tree_overrides(rev: str) -> list[str]:
+    """What a tree needs beyond PINNED: all anchor columns run where its config has the key that trims them."""
+    return ["anchor_buckets=1"] if "\nanchor_buckets:" in git("show", f"{rev}:configs/base.yml") else []
+
+
+def overrides(tree_keys: list[str], data: Path, run_dir: Path, k: int, anchors: int, dtype: str, steps: int):
     over = [*PINNED, f"data.source={data}", f"run_dir={run_dir}", f"block_size={k}", f"num_anchors={anchors}"]
-    over += [f"train.steps={steps}", f"checkpoint.every_steps={steps + 1}", *(BF16 if dtype == "bf16" else [])]
-    base = subprocess.run(
-        ["git", "-C", str(REPO), "show", f"{rev}:configs/base.yml"], capture_output=True, text=True, check=True
-    ).stdout
-    if "\nanchor_buckets:" in base:
-        over.append("anchor_buckets=1")
-    return over
+    return over + [f"train.steps={steps}", f"checkpoint.every_steps={steps + 1}", *(BF16 if dtype == "bf16" else []),
+                   *tree_keys]  # fmt: skip
 
 
 def run_cell(tree: Path, over: list[str], run_dir: Path) -> list[dict]:
@@ -182,6 +182,7 @@ def main(argv=None) -> dict:
         data = scratch / "mix.jsonl"
         data.write_text("".join(mix([parse_part(str(REPO / p)) for p in MIX], seed=0)))
         trees = {name: scratch / name for name in revs}
+        tree_keys = {name: tree_overrides(rev) for name, rev in revs.items()}
         for name, path in trees.items():
             git("worktree", "add", "--detach", str(path), revs[name])
         try:
@@ -190,7 +191,7 @@ def main(argv=None) -> dict:
                     order = ("before", "now") if i % 2 == 0 else ("now", "before")
                     for name in order:
                         run_dir = scratch / f"run-{name}-{k}x{a}-{dtype}-{i}"
-                        over = overrides(trees[name], revs[name], data, run_dir, k, a, dtype, args.steps)
+                        over = overrides(tree_keys[name], data, run_dir, k, a, dtype, args.steps)
                         steps = run_cell(trees[name], over, run_dir)
                         cells[spec]["runs"][name].append(steps)
                         timed = sum(s["step_s"] for s in steps if s["step"] > 1)

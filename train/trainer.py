@@ -56,8 +56,8 @@ class Trainer:
 
     run: what to train with (train.assembly.build_run). lock: the run directory's lock (process 0), held by the
     caller; with own_lock the Trainer owns it (`open_trainer`'s): released when `train` ends and taken again by a
-    later `train`. hooks: what each step reports (train.reporting; default: what cfg.log asks for), made per
-    `train` call from a function of the total steps, or a fixed list.
+    later `train`. hooks: what each step reports (train.reporting); default: what cfg.log asks for, made anew for
+    each `train` call.
     """
 
     def __init__(self, run: Run, *, restore=True, lock=None, own_lock=False, hooks=None):
@@ -225,7 +225,7 @@ class Trainer:
     def _make_hooks(self) -> list[Hook]:
         if self._hooks is None:
             return default_hooks(self.cfg, self.run_dir, self.total_steps)
-        return self._hooks(self.total_steps) if callable(self._hooks) else list(self._hooks)
+        return list(self._hooks)
 
     def _train(self, max_steps: int | None) -> dict:
         cfg = self.cfg
