@@ -361,6 +361,12 @@ def main(argv=None) -> dict:
         "the training pipeline); takes the place of --train-minutes and --steps",
     )
     ap.add_argument("--lr", type=float, default=FT_LR, help=f"every fine-tuned arm's learning rate ({FT_LR})")
+    ap.add_argument(
+        "--train-only",
+        action="store_true",
+        help="train the arms (each recorded in OUT/arms/ARM.json) and stop: for judging them by teacher-forced "
+        "survival (infer.teacher_forced) instead of decoding",
+    )
     args = ap.parse_args(argv)
     check_args(ap, args)
     out, runs = ROOT / args.out, ROOT / args.runs
@@ -398,6 +404,8 @@ def _study(args, out: Path, runs: Path) -> dict:
     else:
         budget = {"seconds": args.train_minutes * 60}
     arms = [train_arm(a, data, runs, budget, out, args.lr) for a in check_arms(args.arms)]
+    if args.train_only:
+        return {"arms": arms}
     evals = {s.partition(":")[0]: eval_set(s, arms, k_infer, args, out) for s in args.sets.split(",")}
     mats = matrices(evals)
     study = {"settings": vars(args), "positions_per_step": POSITIONS_PER_STEP, "arms": arms, "matrices": mats}
