@@ -1,6 +1,7 @@
 """z-lab DFlash drafter checkpoints (config.json + model.safetensors): the config.json parser and writer, strict
-load, export, schema check; and the same tensors under vLLM's speculators-format config.json
-(dflash_model.speculators_format), which load_drafter tells apart by its config and reads into the same drafter.
+load and export (what a server needs of them: dflash_model.zlab_schema); and the same tensors under vLLM's
+speculators-format config.json (dflash_model.speculators_format), which load_drafter tells apart by its config and
+reads into the same drafter.
 
 The format is the one z-lab publishes and vLLM / SGLang / tpu-inference read: unprefixed tensor names, torch
 Linear layout [out, in], no embedding, no lm_head, no biases, no rotary buffers; 3 + 11 * L tensors.
@@ -34,13 +35,14 @@ from dflash_model.config import (
     rope_theta_of,
     stored_dtype,
 )
-from dflash_model.drafter import Drafter, DrafterConfig, abstract_drafter, check_pairing, default_target_layer_ids
+from dflash_model.drafter import Drafter, abstract_drafter
+from dflash_model.drafter_config import DrafterConfig, check_pairing, default_target_layer_ids
 from dflash_model.files import atomic_write_json
 from dflash_model.sharding import param_shardings
 from dflash_model.weights import CheckpointError, SafetensorsSource, check_finite, raise_problems, torch_layouts
 from dflash_model.weights import tensor_problems as shape_dtype_problems
 
-_SAFETENSORS_DTYPE = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+SAFETENSORS_DTYPE = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 
 
 @dataclass(frozen=True)
@@ -80,7 +82,7 @@ def zlab_tensor_specs(cfg: DrafterConfig) -> dict[str, DraftTensor]:
     return dict(entries)
 
 
-def _read_config(model_dir: Path) -> dict:
+def read_config(model_dir: Path) -> dict:
     return read_config_json(model_dir, "a z-lab drafter directory", missing=CheckpointError)
 
 
@@ -246,7 +248,7 @@ def _read_drafter_config(model_dir: Path, target_cfg: TargetConfig | None) -> tu
 
     A speculators config.json is translated to the z-lab one first; its checkpoint may hold the tensors
     speculators_format.extra_tensors names beside the body, and a reduced draft vocabulary requires its d2t."""
-    raw = _read_config(model_dir)
+    raw = read_config(model_dir)
     source_name = str(model_dir / "config.json")
     if not speculators_format.is_speculators_config(raw):
         return raw, parse_zlab_config(raw, source=source_name), {}, set()
@@ -273,8 +275,8 @@ def load_drafter(
     if target_cfg is not None:
         check_pairing(cfg, target_cfg, source=source_name)
     declared = stored_dtype(raw)
-    if declared not in _SAFETENSORS_DTYPE:
-        raise ConfigError(f"{source_name}: torch_dtype={declared!r}; expected one of {sorted(_SAFETENSORS_DTYPE)}")
+    if declared not in SAFETENSORS_DTYPE:
+        raise ConfigError(f"{source_name}: torch_dtype={declared!r}; expected one of {sorted(SAFETENSORS_DTYPE)}")
     source = SafetensorsSource(model_dir)
     problems = [
         f"missing tensor {name!r} (the mapping of a reduced draft vocabulary, draft_vocab_size < {cfg.vocab_size})"
@@ -385,7 +387,7 @@ def _mapped_draft_vocab(model_dir: Path, vocab_size: int) -> tuple[int, ...] | N
     """The reduced draft vocabulary of a speculators checkpoint (d2t, checked against t2d), or None."""
     if not (model_dir / "config.json").is_file():
         return None
-    raw = _read_config(model_dir)
+    raw = read_config(model_dir)
     if not speculators_format.is_speculators_config(raw):
         return None
     source_name = str(model_dir / "config.json")
@@ -413,97 +415,10 @@ def _check_draft_vocab(ids, vocab_size: int, source: str) -> None:
         raise ConfigError(f"{source}: token_ids repeats a token")
 
 
-# Keys vLLM / SGLang read from a DFlash draft config (besides dflash_config), with the type each must have.
-_REQUIRED_KEYS = {
-    "hidden_size": int,
-    "intermediate_size": int,
-    "num_hidden_layers": int,
-    "num_attention_heads": int,
-    "num_key_value_heads": int,
-    "head_dim": int,
-    "rms_norm_eps": float,
-    "max_position_embeddings": int,
-    "vocab_size": int,
-    "num_target_layers": int,
-}
-
-
-def check_zlab_schema(model_dir: str | Path) -> list[str]:
-    """Problems a serving engine would hit reading `model_dir` as a DFlash drafter; [] when it is well formed.
-
-    Mirrors what vLLM (`method: dflash`) and SGLang (`DFLASH`) read: architectures / model_type dispatch,
-    dflash_config.{mask_token_id, target_layer_ids}, block_size, the Qwen3 keys, layer types (vLLM refuses mixed
-    sliding/full layers), and the 3 + 11 * L tensors by name, shape and dtype.
-    """
-    model_dir = Path(model_dir)
-    try:
-        raw = _read_config(model_dir)
-    except (CheckpointError, ConfigError) as e:
-        return [str(e)]
-    problems = _header_problems(raw) + _key_problems(raw)
-    if problems:
-        return problems
-    try:
-        cfg = parse_zlab_config(raw, source=str(model_dir / "config.json"))
-    except ConfigError as e:
-        return [str(e)]
-    try:
-        source = SafetensorsSource(model_dir)
-    except CheckpointError as e:
-        return [str(e)]
-    return tensor_problems(source, cfg, stored_dtype(raw))
-
-
-def _header_problems(raw: dict) -> list[str]:
-    """What a server's dispatch reads: architectures, model_type, dflash_config's keys, block_size."""
-    problems = []
-    if raw.get("architectures") != ["DFlashDraftModel"]:
-        problems.append(f"architectures={raw.get('architectures')!r}, expected ['DFlashDraftModel']")
-    if raw.get("model_type") != "qwen3":
-        problems.append(f"model_type={raw.get('model_type')!r}, expected 'qwen3'")
-    dflash = raw.get("dflash_config")
-    if not isinstance(dflash, dict):
-        problems.append("dflash_config missing or not an object")
-        dflash = {}
-    if not isinstance(dflash.get("mask_token_id"), int):
-        problems.append(f"dflash_config.mask_token_id={dflash.get('mask_token_id')!r}, expected an int")
-    ids = dflash.get("target_layer_ids")
-    if not (isinstance(ids, list) and ids and all(isinstance(i, int) for i in ids)):
-        problems.append(f"dflash_config.target_layer_ids={ids!r}, expected a non-empty list of ints")
-    block = raw.get("block_size", dflash.get("block_size"))
-    if not (isinstance(block, int) and block >= 2):
-        problems.append(f"block_size={block!r}, expected an int >= 2 (top level or in dflash_config)")
-    return problems
-
-
-def _key_problems(raw: dict) -> list[str]:
-    """The Qwen3 keys a server builds the drafter from, its dtype and its layer types."""
-    problems = []
-    for key, kind in _REQUIRED_KEYS.items():
-        value = raw.get(key)
-        if not isinstance(value, (int, float) if kind is float else int) or isinstance(value, bool):
-            problems.append(f"{key}={value!r}, expected {kind.__name__}")
-    theta = raw.get("rope_theta", (raw.get("rope_parameters") or {}).get("rope_theta"))
-    if not isinstance(theta, (int, float)):
-        problems.append("rope_theta missing (top level or rope_parameters.rope_theta)")
-    declared = stored_dtype(raw)
-    if declared not in _SAFETENSORS_DTYPE:
-        problems.append(f"torch_dtype={declared!r}, expected one of {sorted(_SAFETENSORS_DTYPE)}")
-    layer_types = raw.get("layer_types")
-    if layer_types is not None:
-        kinds = set(layer_types)
-        if kinds == {"full_attention", "sliding_attention"}:
-            problems.append("layer_types mixes sliding and full attention, which vLLM's DFlash does not support")
-        if "sliding_attention" in kinds and not (raw.get("use_sliding_window") and raw.get("sliding_window")):
-            problems.append("sliding layers need use_sliding_window=true and an int sliding_window (HF drops it)")
-    return problems
-
-
 __all__ = [
     "CheckpointError",
     "DraftTensor",
     "EXPORT_FORMATS",
-    "check_zlab_schema",
     "export_config",
     "export_drafter",
     "load_drafter",

@@ -4,18 +4,36 @@ round to maximise the expected committed tokens per unit of measured cost.
 The candidates (`default_widths`) are the branches of one `lax.switch`, so each compiles once. Confidence comes
 from the proposer (its probability for each draft) or, where it gives none, from the acceptance measured so far for
 the row's source (`measured_rates`). The costs are a verify at each width and the drafter's forward, timed by
-`infer.engine.Engine.calibrate` at the decode's own shapes and carried in the decode state as data.
+`infer.engine.Engine.calibrate` at the decode's own shapes; they and the acceptance counts are this strategy's own
+state (`WidthState`, the decode state's `strategy`), data rather than static arguments, so no recompile.
 """
 
 from __future__ import annotations
 
 import functools
 
+import flax
 import jax
 import jax.numpy as jnp
 
-from infer.proposers import scored
+from infer.proposers import SOURCES, scored
 from infer.spec import DecodePlan, DecodeState, Verified, verify_forward
+
+
+@flax.struct.dataclass
+class WidthState:
+    """What a round choosing its verify width carries from round to round."""
+
+    tries: jax.Array  # [sources, K-1] rounds where draft j was verified after drafts 1..j-1 were accepted
+    hits: jax.Array  # [sources, K-1] ... and draft j was accepted too (the rates where a proposer gives none)
+    verify_ms_Z: jax.Array  # [Z] measured cost of verifying each candidate width
+    draft_ms: jax.Array  # [] measured cost of the drafter's forward
+
+
+def initial_state(k: int, verify_ms, draft_ms) -> WidthState:
+    """No round counted yet, and the costs `Engine.calibrate` measured (per candidate width, and the draft)."""
+    zeros = jnp.zeros((len(SOURCES), k - 1), jnp.float32)
+    return WidthState(zeros, zeros, jnp.asarray(verify_ms, jnp.float32), jnp.asarray(draft_ms, jnp.float32))
 
 
 def default_widths(k: int) -> tuple[int, ...]:
@@ -60,11 +78,11 @@ def measured_rates(tries, hits, prior_weight: float = 4.0):
 def verify_width(target, proposer, params, st: DecodeState, last_B, key, plan: DecodePlan) -> Verified:
     """The adaptive strategy: draft K-1 tokens, verify the first w of the block, w in `widths` chosen by
     `choose_width` from the drafts' confidence and the measured cost of a round at each width."""
-    k, widths = plan.k, plan.widths
+    k, widths, own = plan.k, plan.widths, st.strategy
     prop = scored(proposer, params, target, st.draft, st.history, st.n, k)
-    measured_BJ = measured_rates(st.tries, st.hits)[prop.source]
+    measured_BJ = measured_rates(own.tries, own.hits)[prop.source]
     conf = jnp.where(jnp.isnan(prop.prob), measured_BJ, prop.prob)
-    cost_Z = st.verify_ms_Z + jnp.where(prop.drafted, st.draft_ms, 0.0)
+    cost_Z = own.verify_ms_Z + jnp.where(prop.drafted, own.draft_ms, 0.0)
     choice = choose_width(conf, ~st.done, widths, cost_Z)
     branches = [
         functools.partial(verify_forward, target, proposer, width=w, k=k, temperature=plan.temperature, branch=True)
@@ -72,4 +90,11 @@ def verify_width(target, proposer, params, st: DecodeState, last_B, key, plan: D
     ]
     tok, a, feats, kv, nonfinite = jax.lax.switch(choice, branches, st, last_B, prop.tokens, key)
     cache = st.cache.append(*kv)  # positions past the chosen width hold padding, above what crop keeps
-    return Verified(prop, tok, a, feats, cache, nonfinite, jnp.asarray(widths, jnp.int32)[choice])
+    width = jnp.asarray(widths, jnp.int32)[choice]
+    # Draft j was tried when it was verified and drafts 1..j-1 were accepted; hit when it was accepted too.
+    j = jnp.arange(1, k)[None, :]
+    tried_BJ = (~st.done[:, None] & (j < width) & (a[:, None] >= j - 1)).astype(jnp.float32)
+    hit_BJ = tried_BJ * (a[:, None] >= j)
+    by_source = jax.nn.one_hot(prop.source, len(SOURCES), dtype=jnp.float32)  # [B, sources]
+    own = own.replace(tries=own.tries + by_source.T @ tried_BJ, hits=own.hits + by_source.T @ hit_BJ)
+    return Verified(prop, tok, a, feats, cache, nonfinite, width, own)

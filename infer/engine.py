@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_model.target import config_of
-from infer.adaptive import default_widths, verify_width
+from infer.adaptive import default_widths, initial_state, verify_width
 from infer.plain import pad_prompts, truncate_at_stop
 from infer.proposers import DraftsTop, GrowsTree, NoProposer, Scores, WrapsDrafter
 from infer.spec import (
@@ -265,7 +265,10 @@ class Engine:
     def _prefill(self, ids_BP, lengths_B, key, costs) -> DecodeState:
         positions = config_of(self.target).max_position_embeddings
         check_positions(int(np.max(lengths_B)), self.plan.max_new, self.width, positions, "the longest prompt")
-        costs = costs or {"verify_ms": [0.0] * len(self.widths), "draft_ms": 0.0}  # unused by a fixed width
+        strategy = None  # a fixed block, or a tree of fixed size: the round carries nothing of its own
+        if self.plan.widths is not None:
+            costs = costs or {"verify_ms": [0.0] * len(self.widths), "draft_ms": 0.0}  # `_measure`'s probes
+            strategy = initial_state(self.plan.k, costs["verify_ms"], costs["draft_ms"])
         return _prefill(
             self.target,
             self.proposer,
@@ -274,8 +277,7 @@ class Engine:
             lengths_B,
             key,
             self.stop_Y,
-            jnp.asarray(costs["verify_ms"], jnp.float32),
-            jnp.float32(costs["draft_ms"]),
+            strategy,
             plan=self.plan,
         )
 

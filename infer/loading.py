@@ -15,7 +15,8 @@ from typing import Any, NamedTuple
 
 from dflash_model import drafter_weights
 from dflash_model.config import PRESETS
-from dflash_model.drafter import DRAFTER_PRESETS, build_drafter, drafter_config_for
+from dflash_model.drafter import build_drafter
+from dflash_model.drafter_config import DRAFTER_PRESETS, drafter_config_for
 from infer import proposers
 from infer.engine import checked_tree_prior
 from infer.plain import PROMPT_BUCKETS

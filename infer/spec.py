@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_model.target import KVCache, config_of, forward
-from infer.proposers import SOURCES, Proposal, scored
+from infer.proposers import Proposal, scored
 
 # Trace counts of the jitted steps (incremented only while tracing): tests check one compile per shape bucket.
 TRACES: collections.Counter = collections.Counter()
@@ -69,10 +69,7 @@ class DecodeState:
     proposals: jax.Array  # [B, I, K-1] the drafts of each round
     widths: jax.Array  # [I] tokens verified by each round (the last token and widths - 1 drafts)
     drafted: jax.Array  # [I] bool: the round ran a drafter forward (the hybrid skips it when every row matched)
-    tries: jax.Array  # [sources, K-1] rounds where draft j was verified after drafts 1..j-1 were accepted
-    hits: jax.Array  # [sources, K-1] ... and draft j was accepted too (adaptive engines choose widths from these)
-    verify_ms_Z: jax.Array  # [Z] adaptive: measured cost of verifying each candidate width (data: no recompile)
-    draft_ms: jax.Array  # [] adaptive: measured cost of the drafter's forward
+    strategy: Any  # the round strategy's own state (infer.adaptive.WidthState for chosen widths; else None)
     nonfinite: jax.Array  # [] bool: some target logit was NaN or inf (its argmax, token 0, would be reported)
 
 
@@ -136,7 +133,8 @@ def pad_positions(size, tok_BT, feats_BTF, new_kv):
 class Verified(NamedTuple):
     """What a round's verify strategy returns: the proposal, the target's tokens at the verified positions padded
     to K ([B, K]), the accepted drafts a ([B]), the committed positions' features, the grown target cache, whether
-    a logit was not finite, and the tokens verified this round (the last token and width - 1 drafts)."""
+    a logit was not finite, the tokens verified this round (the last token and width - 1 drafts), and the
+    strategy's own state after the round (what it learns from a round stays with it: the fixed block has none)."""
 
     prop: Proposal
     target_tok: jax.Array
@@ -145,6 +143,7 @@ class Verified(NamedTuple):
     cache: KVCache
     nonfinite: jax.Array
     width: jax.Array
+    strategy: Any
 
 
 def verify_block(target, proposer, params, st: DecodeState, last_B, key, plan: DecodePlan) -> Verified:
@@ -154,7 +153,7 @@ def verify_block(target, proposer, params, st: DecodeState, last_B, key, plan: D
     tok, a, feats, cache, nonfinite = verify_forward(
         target, proposer, st, last_B, prop.tokens, key, width=k, k=k, temperature=plan.temperature
     )
-    return Verified(prop, tok, a, feats, cache, nonfinite, jnp.int32(k))
+    return Verified(prop, tok, a, feats, cache, nonfinite, jnp.int32(k), st.strategy)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,15 +190,9 @@ def _round(target, proposer, params, st: DecodeState, plan: DecodePlan) -> Decod
     start = st.n - 1
     last = jnp.take_along_axis(st.history, start[:, None], axis=1)[:, 0]
     key = jax.random.fold_in(st.key, st.rounds)
-    live = ~st.done
     k, max_new = plan.k, plan.max_new
     v = plan.verify(target, proposer, params, st, last, key, plan)
     a, target_tok = v.accepted, v.target_tok
-    # Draft j was tried when it was verified and drafts 1..j-1 were accepted; hit when it was accepted too.
-    j = jnp.arange(1, k)[None, :]
-    tried_BJ = (live[:, None] & (j < v.width) & (a[:, None] >= j - 1)).astype(jnp.float32)
-    hit_BJ = tried_BJ * (a[:, None] >= j)
-    by_source = jax.nn.one_hot(v.prop.source, len(SOURCES), dtype=jnp.float32)  # [B, sources]
 
     # Commit target_tok[:, :a+1]: the first a equal the accepted drafts, target_tok[:, a] is the bonus (the
     # target's own token at the first mismatch, or after all verified drafts). Cut after a committed stop token.
@@ -231,8 +224,7 @@ def _round(target, proposer, params, st: DecodeState, plan: DecodePlan) -> Decod
         proposals=st.proposals.at[jnp.arange(b), st.rounds].set(v.prop.tokens),
         widths=st.widths.at[st.rounds].set(v.width),
         drafted=st.drafted.at[st.rounds].set(v.prop.drafted),
-        tries=st.tries + by_source.T @ tried_BJ,
-        hits=st.hits + by_source.T @ hit_BJ,
+        strategy=v.strategy,
         nonfinite=st.nonfinite | v.nonfinite,
     )
 
@@ -245,8 +237,7 @@ def _prefill_impl(
     lengths_B,
     key,
     stop_Y,
-    verify_ms_Z,
-    draft_ms,
+    strategy,
     plan: DecodePlan,
 ):
     TRACES["prefill"] += 1
@@ -281,10 +272,7 @@ def _prefill_impl(
         proposals=jnp.zeros((b, rounds, k - 1), jnp.int32),
         widths=jnp.zeros((rounds,), jnp.int32),
         drafted=jnp.zeros((rounds,), bool),
-        tries=jnp.zeros((len(SOURCES), k - 1), jnp.float32),
-        hits=jnp.zeros((len(SOURCES), k - 1), jnp.float32),
-        verify_ms_Z=jnp.asarray(verify_ms_Z, jnp.float32),
-        draft_ms=jnp.asarray(draft_ms, jnp.float32),
+        strategy=strategy,
         nonfinite=~jnp.all(jnp.isfinite(out.logits)),
     )
 

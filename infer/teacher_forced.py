@@ -29,13 +29,13 @@ order (the default style, `data.prompt_sets.subset`). `--skip N` (default 40) le
 and takes the next --limit items in z-lab's order, so the sample is a random one (not the file's neighbours) and
 disjoint from every `infer.eval --limit N` run with N <= --skip. A fresh seeded shuffle would not be: it would draw
 some of the prompts that were used. A JSONL or hf: set skips its first N rows. Writes DIR/teacher_forced.json and
-DIR/table.md (results of the shipped drafter: docs/results/teacher-forced/).
+DIR/table.md (results of the shipped drafter: docs/results/teacher-forced/). This module is the command and its
+report; the pass and its summaries are `infer.forced_acceptance`, the target's replies `infer.target_replies`.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import platform
 import sys
@@ -43,34 +43,24 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 from tqdm import tqdm
 
 from data.prompt_sets import SETS, STYLES, Unavailable, held_out
 from dflash_model.cli import run_main
 from dflash_model.files import atomic_write_text, claim_dir, is_uri, local_dir, push, run_path, sha256_file
 from dflash_model.tokenizer import stop_token_ids
-from infer.agreement import (
-    censored_survival,
-    compare,
-    gap_intervals,
-    survival_intervals,
-    teacher_forced,
-)
-from infer.engine import Engine
-from infer.eval_sets import dataset_messages, dataset_names, dataset_source, encode
+from infer.eval_sets import dataset_messages, dataset_names, dataset_source
+from infer.forced_acceptance import forced, real_decode, real_gap, set_result
 from infer.intervals import LEVEL, REPLICATES, SEED
-from infer.loading import at_least, check_prompt_ids, fit_prompts, load_draft_spec
-from infer.metrics import strict_dumps, survival, tau_pooled
+from infer.loading import at_least, load_draft_spec
+from infer.metrics import strict_dumps
 from infer.options import decode_options
-from infer.plain import bucket_length, greedy_generate
 from infer.proposers import DFlashProposer
 from infer.spec import check_positions
+from infer.target_replies import Replier, earlier_replies
 from infer.target_spec import load_target_spec
 
 DEFAULT_SKIP = 40  # the most prompts of a set any checkpoint of the shipped drafter was chosen on (--limit 40)
-LENGTH_BUCKET = 128  # rows of prompt + reply padded to a multiple of this: one compile per bucket, little padding
 ESTIMATES = (
     "the acceptance a speculative round would get if its block started at a uniformly chosen position of the "
     "target's own greedy reply, that reply being the text (the drafter's training pass over prompt + reply, a block "
@@ -185,287 +175,6 @@ def load_sets(args) -> tuple[dict, dict]:
     if not sets:
         raise ValueError(f"--dataset {args.dataset}: every set was skipped: {skipped}")
     return sets, skipped
-
-
-# --- the target's greedy replies ------------------------------------------------------------------------------------
-
-
-def greedy_replies(model, prompts, *, max_new_tokens: int, stop_ids, batch_size: int, bar=None) -> list[list[int]]:
-    """Each prompt's plain greedy reply (`infer.plain.greedy_generate`), cut after a stop token and at the budget;
-    prompts batched by length bucket, a short last batch filled with copies of its first prompt (one shape, one
-    compile per bucket; the copies' replies are dropped)."""
-    replies: list[list[int] | None] = [None] * len(prompts)
-    buckets: dict[int, list[int]] = {}
-    for i, p in enumerate(prompts):
-        buckets.setdefault(bucket_length(len(p)), []).append(i)
-    for idx in buckets.values():
-        size = min(batch_size, len(idx))
-        for start in range(0, len(idx), size):
-            chunk = idx[start : start + size]
-            rows = [prompts[i] for i in chunk]
-            out = greedy_generate(model, rows + [rows[0]] * (size - len(rows)), max_new_tokens, stop_ids)
-            for i, reply in zip(chunk, out):
-                replies[i] = reply
-            if bar is not None:
-                bar.update(len(chunk))
-    return replies
-
-
-def _conversation(turns: list[str], answers: dict[str, str]) -> list[dict]:
-    """User turns with the target's answers to all but the last between them."""
-    messages: list[dict] = []
-    for turn in turns[:-1]:
-        messages.append({"role": "user", "content": turn})
-        messages.append({"role": "assistant", "content": answers[json.dumps(messages)]})
-    return [*messages, {"role": "user", "content": turns[-1]}]
-
-
-def _chat(row: dict, answers: dict[str, str]) -> dict:
-    """A row as infer.eval's `encode` takes it, a later turn written after the earlier turns' answers."""
-    if "earlier_turns" in row:
-        return {"id": row["id"], "messages": _conversation([*row["earlier_turns"], row["text"]], answers)}
-    if "text" in row:
-        return {"id": row["id"], "messages": [{"role": "user", "content": row["text"]}]}
-    return row
-
-
-class Replier:
-    """Turns rows into (prompt ids, reply) with the target: a later turn is asked after the target's own greedy
-    answers to the earlier ones (infer.eval's `answer_earlier_turns`, here from the batched plain path, and an
-    earlier turn that is itself a row answered once)."""
-
-    def __init__(self, args, target, k: int, stop_ids, progress: bool, known: dict | None = None):
-        self.args, self.target, self.k, self.stop_ids, self.progress = args, target, k, stop_ids, progress
-        self.answers: dict[str, str] = {}
-        self.known = known or {}  # {prompt name: (prompt tokens, reply)} of an earlier run (--replies)
-        self.used: set[str] = set()  # the prompt names this run asked for
-
-    def _greedy(self, prompts: list[list[int]], names: list[str], desc: str) -> list[list[int]]:
-        """Replies of an earlier run where it has them (the same prompt, checked by its length), the rest decoded."""
-        for p, name in zip(prompts, names):
-            if name in self.known and self.known[name][0] != len(p):
-                raise ValueError(
-                    f"--replies: {name} has {len(p)} prompt tokens here and {self.known[name][0]} there (another "
-                    "tokenizer, template or --truncate-prompts)"
-                )
-        self.used.update(names)
-        todo = [i for i, name in enumerate(names) if name not in self.known]
-        decoded = []
-        if todo:
-            with tqdm(total=len(todo), desc=desc, disable=not self.progress, file=sys.stderr) as bar:
-                decoded = greedy_replies(
-                    self.target.model,
-                    [prompts[i] for i in todo],
-                    max_new_tokens=self.args.max_new_tokens,
-                    stop_ids=self.stop_ids,
-                    batch_size=self.args.batch_size,
-                    bar=bar,
-                )
-        replies = [self.known[name][1] if name in self.known else None for name in names]
-        for i, reply in zip(todo, decoded):
-            replies[i] = reply
-        return replies
-
-    def _decode(self, chats: list[dict], names: list[str], desc: str) -> tuple[list, list, dict]:
-        """(prompt ids, replies, prompts cut) of these chats; each answer kept for the turns after it."""
-        prompts = encode(chats, self.target.tokenizer, thinking=self.args.thinking == "on")
-        check_prompt_ids(prompts, self.target.config, names=names)
-        prompts, cut = fit_prompts(
-            prompts,
-            self.target.config,
-            max_new_tokens=self.args.max_new_tokens,
-            width=self.k,
-            names=names,
-            truncate=self.args.truncate_prompts,
-        )
-        replies = self._greedy(prompts, names, desc)
-        for chat, reply in zip(chats, replies):
-            if "messages" in chat and self.target.tokenizer is not None:
-                text = self.target.tokenizer.decode(reply, skip_special_tokens=True)
-                self.answers[json.dumps(chat["messages"])] = text
-        return prompts, replies, cut
-
-    def _missing_turns(self, rows: list[dict], level: int, known: set[str]) -> list[dict]:
-        """The conversations up to turn `level` + 1 that deeper rows need and no row of this level is."""
-        out: dict[str, dict] = {}
-        for r in rows:
-            turns = r.get("earlier_turns", [])
-            if len(turns) > level:
-                messages = _conversation(turns[: level + 1], self.answers)
-                key = json.dumps(messages)
-                if key not in known and key not in self.answers:
-                    out[key] = {"id": f"{r['id']}/earlier{level + 1}", "messages": messages}
-        return list(out.values())
-
-    def replies(self, sets: dict[str, list[dict]]) -> dict[str, tuple[list, list, dict]]:
-        """{set: (prompts, replies, prompts cut)}, every set's rows of one turn depth decoded together."""
-        flat = [(name, i, r) for name, rows in sets.items() for i, r in enumerate(rows)]
-        depth = max(len(r.get("earlier_turns", [])) for _, _, r in flat)
-        got: dict[tuple[str, int], tuple] = {}
-        cut: dict[str, dict] = {name: {} for name in sets}
-        for level in range(depth + 1):
-            here = [(name, i, r) for name, i, r in flat if len(r.get("earlier_turns", [])) == level]
-            chats = [_chat(r, self.answers) for _, _, r in here]
-            known = {json.dumps(c["messages"]) for c in chats if "messages" in c}
-            extra = self._missing_turns([r for _, _, r in flat], level, known)
-            names = [f"--dataset {name}: prompt {r['id']}" for name, _, r in here] + [e["id"] for e in extra]
-            prompts, replies, cut_here = self._decode(chats + extra, names, f"replies, turn {level + 1}")
-            for (name, i, _), p, reply, what in zip(here, prompts, replies, names):
-                got[name, i] = (p, reply)
-                if what in cut_here:
-                    cut[name][what] = cut_here[what]
-        return {
-            name: (
-                [got[name, i][0] for i in range(len(rows))],
-                [got[name, i][1] for i in range(len(rows))],
-                cut[name],
-            )
-            for name, rows in sets.items()
-        }
-
-
-# The settings an earlier run's replies must share with this run to stand in for its own decoding.
-REPLY_SETTINGS = ("target", "dtype", "max_new_tokens", "prompt_style", "thinking")
-
-
-def earlier_replies(path: str, about: dict) -> dict[str, tuple[int, list[int]]]:
-    """{prompt name: (prompt tokens, reply)} of an earlier run's teacher_forced.json (or its directory), refused
-    where its target, dtype, budget, wording or thinking switch differ from this run's (`about`)."""
-    file = Path(path) / "teacher_forced.json" if Path(path).is_dir() else Path(path)
-    try:
-        old = json.loads(file.read_text())
-        sets = old["sets"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"--replies {path!r}: not a teacher_forced.json of this command ({e})") from None
-    differ = [
-        f"{key} {old.get(key)!r} there, {about[key]!r} here" for key in REPLY_SETTINGS if old.get(key) != about[key]
-    ]
-    if differ:
-        raise ValueError(f"--replies {path!r}: other replies than this run would decode: " + "; ".join(differ))
-    return {
-        f"--dataset {name}: prompt {p['id']}": (p["prompt_tokens"], p["reply"])
-        for name, res in sets.items()
-        for p in res["per_prompt"]
-    }
-
-
-# --- teacher forcing and its summary -------------------------------------------------------------------------------
-
-
-def forced(target, draft, k: int, prompts, replies, *, max_new_tokens: int, rounds=None, bar=None) -> dict:
-    """`teacher_forced` over rows of any lengths: rows grouped by LENGTH_BUCKET of prompt + reply, each group padded
-    to its bucket and to the budget's anchors, so that one compile serves every group of a bucket (every set, and
-    the rounds' check). {accept_lengths, final}, one list per row in the given order."""
-    groups: dict[int, list[int]] = {}
-    for i, (p, r) in enumerate(zip(prompts, replies)):
-        groups.setdefault(-(-(len(p) + len(r)) // LENGTH_BUCKET) * LENGTH_BUCKET, []).append(i)
-    lengths: list = [None] * len(prompts)
-    finals: list = [None] * len(prompts)
-    for length, idx in sorted(groups.items()):
-        got = teacher_forced(
-            target,
-            draft.params,
-            k,
-            [prompts[i] for i in idx],
-            [replies[i] for i in idx],
-            rounds=None if rounds is None else [rounds[i] for i in idx],
-            zero_features=draft.proposer.zero_features,
-            vocab=draft.proposer.vocab,
-            min_length=length,
-            min_anchors=max_new_tokens - 1,
-            on_row=None if bar is None else lambda: bar.update(1),
-        )
-        for j, i in enumerate(idx):
-            lengths[i], finals[i] = got["accept_lengths"][j], got["final"][j]
-    return {"accept_lengths": lengths, "final": finals}
-
-
-def estimate(lengths, finals, k: int, anchors: str = "every") -> dict:
-    """`teacher_forced`'s summary of these rows: blocks, censored, survival [S_1..S_{K-1}], tau."""
-    a = np.asarray([x - 1 for row in lengths for x in row], np.int64)
-    final = np.asarray([f for row in finals for f in row], bool)
-    s = censored_survival(a, final, k)
-    return {
-        "anchors": anchors,
-        "block_size": k,
-        "blocks": int(a.size),
-        "censored": int(np.sum(~final)),
-        "survival": s,
-        "tau": 1.0 + float(np.sum(s)) if a.size else math.nan,
-    }
-
-
-def set_result(ids, prompts, replies, got, k: int, max_new_tokens: int) -> dict:
-    """One set's numbers, their intervals and its per-prompt rows."""
-    est = estimate(got["accept_lengths"], got["final"], k)
-    return {
-        **est,
-        **survival_intervals(got["accept_lengths"], got["final"], k),
-        "reply_tokens": sum(map(len, replies)),
-        "replies_at_budget": sum(len(r) == max_new_tokens for r in replies),
-        "per_prompt": [
-            {"id": i, "prompt_tokens": len(p), "reply": r, "accept_lengths": a, "final": f}
-            for i, p, r, a, f in zip(ids, prompts, replies, got["accept_lengths"], got["final"])
-        ],
-    }
-
-
-def real_decode(model, draft, k: int, prompt_sets: dict[str, list], *, max_new_tokens: int, stop_ids, progress):
-    """{set: its prompts' speculative generations}: each set one batch of as many rows as the largest, every batch
-    padded to one width (one compile), a short one filled with copies of its first prompt (their answers dropped)."""
-    engine = Engine(model, draft.proposer, draft.params, block_size=k, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
-    rows = max(len(p) for p in prompt_sets.values())
-    width = bucket_length(max(len(p) for prompts in prompt_sets.values() for p in prompts))
-    out = {}
-    for name, prompts in tqdm(prompt_sets.items(), desc="real decoding", disable=not progress, file=sys.stderr):
-        batch = prompts + [prompts[0]] * (rows - len(prompts))
-        ids = np.zeros((rows, width), np.int32)
-        for b, p in enumerate(batch):
-            ids[b, : len(p)] = p
-        lengths = jnp.asarray([len(p) for p in batch], jnp.int32)
-        out[name] = engine.results(engine.decode(engine.prefill(jnp.asarray(ids), lengths, jax.random.key(0))))
-        out[name] = out[name][: len(prompts)]
-    return out
-
-
-def rounds_equal(at_rounds: dict, real: list[list[int]]) -> int:
-    """Rounds whose teacher-forced accept length at the round's start equals real decoding's. A censored block
-    ran past the reply with every draft right: real decoding committed the reply's remaining tokens, cut there
-    (a stop token or the budget), which is the block's accepted drafts, one less than its accept length."""
-    n = 0
-    for tf_row, final_row, real_row in zip(at_rounds["accept_lengths"], at_rounds["final"], real):
-        n += sum((tf if final else tf - 1) == r for tf, final, r in zip(tf_row, final_row, real_row))
-    return int(n)
-
-
-def real_gap(model, draft, k: int, gens, prompts, replies, got, *, max_new_tokens: int, progress) -> dict:
-    """Real decoding's rounds on these prompts against the teacher-forced pass on the same prompts
-    (`infer.agreement.compare`), with a paired interval on the gap; and the pass at the rounds' own starts, which
-    reproduces real decoding's accept lengths round for round (up to float rounding)."""
-    real = [g.accept_lengths for g in gens]
-    flat = [a for row in real for a in row]
-    report = {
-        "acceptance_unconditional": survival(flat, k),
-        "tau": tau_pooled(flat),
-        "per_prompt": [{"accept_lengths": row} for row in real],
-    }
-    out = compare(estimate(got["accept_lengths"], got["final"], k), report)
-    out["gap_ci"] = gap_intervals(real, got["accept_lengths"], got["final"], k)
-    with tqdm(total=len(prompts), desc="rounds check", disable=not progress, file=sys.stderr) as bar:
-        at_rounds = forced(model, draft, k, prompts, replies, max_new_tokens=max_new_tokens, rounds=real, bar=bar)
-    out["rounds_check"] = {
-        "rounds": len(flat),
-        "rounds_equal": rounds_equal(at_rounds, real),
-        "replies_equal": sum(g.tokens == r for g, r in zip(gens, replies)),
-        "prompts": len(prompts),
-        "note": "the teacher-forced pass at real decoding's round starts (round_anchors): rounds whose committed "
-        "tokens equal real decoding's (a censored block, the last round of a reply, counted as its accepted drafts: "
-        "real decoding cuts that round at the reply's end, where the block's + 1 would fall past it); replies_equal: "
-        "speculative answers equal to the plain greedy replies (lossless)",
-    }
-    out["real_accept_lengths"] = real
-    out["teacher_forced_at_rounds"] = at_rounds["accept_lengths"]
-    return out
 
 
 # --- the report ---------------------------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ def verify_tree(target, proposer, params, st: DecodeState, last_B, key, plan: De
     first w nodes, w chosen per round), the walk. The target's tokens along the path, the accepted count, the
     path's features, a cache whose path entries sit where a sequential verify puts them, the verified width."""
     (nodes, top), k, widths, temperature = plan.tree, plan.k, plan.widths, plan.temperature
-    cost_Z = None if widths is None else st.verify_ms_Z + st.draft_ms
+    cost_Z = None if widths is None else st.strategy.verify_ms_Z + st.strategy.draft_ms
     if isinstance(proposer, GrowsTree):  # a tree grown node by node (proposers.LookupTreeProposer)
         score_BE, tr = proposer.propose_tree(params, target, st.draft, st.history, st.n, k, nodes)
         chain_BJ = _tree_chain(tr, k)
@@ -62,7 +62,7 @@ def verify_tree(target, proposer, params, st: DecodeState, last_B, key, plan: De
     committed = jnp.take_along_axis(target_tok_BE, path_BK, axis=1)
     feats = None if feats_BE is None else jnp.take_along_axis(feats_BE, path_BK[..., None], axis=1)
     cache = cache.keep_path(st.cache.lengths, path_BK)
-    return Verified(prop, committed, a, feats, cache, nonfinite, width)
+    return Verified(prop, committed, a, feats, cache, nonfinite, width, st.strategy)
 
 
 def _verify_tree_nodes(target, proposer, st, node_tok_BE, tr, key, *, width, temperature):

@@ -12,7 +12,8 @@ import pytest
 from conftest import tiny_target
 from flax import nnx
 
-from dflash_model.drafter import build_drafter, drafter_config_for
+from dflash_model.drafter import build_drafter
+from dflash_model.drafter_config import drafter_config_for
 from dflash_model.target import forward
 from infer.agreement import (
     censored_survival,

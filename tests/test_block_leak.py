@@ -10,7 +10,8 @@ import pytest
 from conftest import tiny_config
 from flax import nnx
 
-from dflash_model.drafter import abstract_drafter, drafter_config_for, train_logits
+from dflash_model.drafter import abstract_drafter, train_logits
+from dflash_model.drafter_config import drafter_config_for
 from dflash_model.target import build_target, randomize
 from train.objective import default_gamma, dflash_loss
 

@@ -7,7 +7,8 @@ from flax import nnx
 
 from data.conversations import load_conversations, tokenize_conversation
 from dflash_model.config import ConfigError
-from dflash_model.drafter import build_drafter, drafter_config_for, scale_output_norm, train_logits
+from dflash_model.drafter import build_drafter, scale_output_norm, train_logits
+from dflash_model.drafter_config import drafter_config_for
 from dflash_model.target import forward
 from train.copy_init import _logit_preserving_rank, fit_copy_circuit, slow_rope_dims
 

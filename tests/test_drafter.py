@@ -13,20 +13,17 @@ from flax import nnx
 import dflash_model.drafter as dm
 from dflash_model.config import PRESETS
 from dflash_model.drafter import (
-    DRAFTER_PRESETS,
     DraftCache,
-    DrafterConfig,
     abstract_drafter,
     block_tokens,
     build_drafter,
-    check_pairing,
-    default_target_layer_ids,
     draft_logits,
     extend_context,
     propose,
     train_hidden_from_embeds,
     train_logits,
 )
+from dflash_model.drafter_config import DRAFTER_PRESETS, DrafterConfig, check_pairing, default_target_layer_ids
 from dflash_model.layers import rope_angles, rope_inv_freq
 from dflash_model.sharding import abstract_mesh, make_mesh, memory_report, param_specs, shard_model
 from dflash_model.target import build_target, forward, randomize

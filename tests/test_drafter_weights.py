@@ -15,9 +15,9 @@ from safetensors import safe_open
 from safetensors.numpy import load_file
 
 from dflash_model.config import ConfigError, TargetConfig
-from dflash_model.drafter import DrafterConfig, build_drafter, drafter_preset
+from dflash_model.drafter import build_drafter
+from dflash_model.drafter_config import DrafterConfig, drafter_preset
 from dflash_model.drafter_weights import (
-    check_zlab_schema,
     export_drafter,
     load_draft_vocab,
     load_drafter,
@@ -27,6 +27,7 @@ from dflash_model.drafter_weights import (
 )
 from dflash_model.target import randomize
 from dflash_model.weights import CheckpointError, SafetensorsSource
+from dflash_model.zlab_schema import check_zlab_schema
 
 CFG = DrafterConfig(
     hidden_size=32, intermediate_size=48, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2,

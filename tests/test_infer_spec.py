@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from conftest import tiny_target
 
-from dflash_model.drafter import DraftCache, build_drafter, drafter_config_for, extend_context
+from dflash_model.drafter import DraftCache, build_drafter, extend_context
+from dflash_model.drafter_config import drafter_config_for
 from dflash_model.target import forward
 from infer import spec
 from infer.engine import Engine
@@ -141,6 +142,26 @@ def test_the_decode_plan_is_one_frozen_value():
     assert hash(engine.plan) == hash(dataclasses.replace(engine.plan))  # hashable: a static argument
 
 
+def test_each_round_strategy_carries_only_its_own_state():
+    """A fixed-block decode carries nothing for its strategy; an adaptive one its acceptance counts and measured
+    costs (infer.adaptive.WidthState), counted by its own rounds: draft 1 is tried once per live row a round."""
+    from infer.adaptive import WidthState
+
+    prompts = _prompts()
+    fixed = Engine(_target("qwen3"), NGramProposer(), block_size=4, max_new_tokens=MAX_NEW)
+    st = fixed.decode(fixed.prefill(*fixed.inputs(prompts)))
+    assert st.strategy is None
+    adaptive = Engine(_target("qwen3"), NGramProposer(), block_size=4, max_new_tokens=MAX_NEW, adaptive=True)
+    inputs = adaptive.inputs(prompts)
+    adaptive.calibrate(*inputs, reps=2)
+    st = adaptive.decode(adaptive.prefill(*inputs))
+    assert isinstance(st.strategy, WidthState)
+    assert st.strategy.tries.shape == (len(SOURCES), 3)
+    widths = np.asarray(st.widths)[: int(st.rounds)]
+    live_rounds = np.count_nonzero(np.asarray(st.accept)[:, : int(st.rounds)][:, widths > 1])
+    assert float(np.sum(st.strategy.tries[:, 0])) == live_rounds
+
+
 def test_batch_one_and_plain_engine():
     """Rows alone (batch 1) give the batch's tokens; proposer none with K=1 is plain decoding on this engine."""
     prompts = _prompts()
@@ -183,7 +204,8 @@ def _reply_index(rows, **kw):
 def test_greedy_reply_lookup_equals_plain_greedy(adaptive):
     """Reply lookup over an index of other prompts' greedy replies (and a corrupted copy of these prompts', so
     drafts are both accepted and rejected) equals plain greedy at batch 2 and 1, fixed and adaptive width; some
-    rounds draft from the replies, and some of those drafts are accepted."""
+    drafts are accepted, and (counted by the adaptive round, which keeps per-source counts) some rounds draft from
+    the replies and some of those drafts are accepted."""
     from infer.proposers import REPLIES, ReplyLookupProposer
 
     prompts, ref, index = _reply_case()
@@ -195,8 +217,10 @@ def test_greedy_reply_lookup_equals_plain_greedy(adaptive):
     state = engine.decode(engine.prefill(*engine.inputs(prompts)))
     assert [g.tokens for g in engine.results(state)] == ref
     assert [engine.generate([p])[0].tokens for p in prompts] == ref
-    tries, hits = np.asarray(state.tries), np.asarray(state.hits)
-    assert tries[REPLIES:].sum() > 0 and hits[REPLIES:, 0].sum() > 0, (tries, hits)
+    assert (np.asarray(state.accept) > 1).any()
+    if adaptive:
+        tries, hits = np.asarray(state.strategy.tries), np.asarray(state.strategy.hits)
+        assert tries[REPLIES:].sum() > 0 and hits[REPLIES:, 0].sum() > 0, (tries, hits)
 
 
 # --- DFlash ------------------------------------------------------------------------------------------------
@@ -350,7 +374,9 @@ def test_draft_vocabulary_proposals_are_the_full_logits_restricted_to_it():
     history = jnp.zeros((1, 64), jnp.int32).at[0, : tokens.shape[1]].set(tokens[0])
     n = jnp.asarray([tokens.shape[1]], jnp.int32)
     full = np.asarray(block_logits(drafter, target, state, tokens[:, -1], k))[0]  # [K-1, V]
-    vocab = tuple(int(i) for i in np.random.default_rng(0).permutation(cfg.vocab_size)[:40])
+    # 40 random tokens, without the full argmax at the first position, so that the restriction changes something.
+    shuffled = np.random.default_rng(0).permutation(cfg.vocab_size)
+    vocab = tuple(int(i) for i in shuffled if i != full[0].argmax())[:40]
     sub = full[:, list(vocab)]
     proposer = DFlashProposer(cfg, vocab=vocab)
     prop = proposer.propose_scored(drafter, target, state, history, n, k)
@@ -468,7 +494,8 @@ def test_greedy_hybrid_equals_plain_greedy_and_looks_up_where_it_can(family):
 @pytest.mark.parametrize("adaptive", [False, True])
 def test_greedy_reply_hybrid_equals_plain_greedy_and_drafts_where_replies_are_unsure(adaptive):
     """Reply lookup where it is confident, the DFlash block elsewhere: lossless at batch 2 and 1, fixed and adaptive
-    width, with rounds from both sources; per row, the drafter's block exactly where the replies are unsure."""
+    width, with rounds from both sources (adaptive: counted by source); per row, the drafter's block exactly where
+    the replies are unsure."""
     from infer.proposers import DRAFTER, REPLIES, ReplyHybridProposer
 
     k = 8
@@ -485,8 +512,9 @@ def test_greedy_reply_hybrid_equals_plain_greedy_and_drafts_where_replies_are_un
     state = engine.decode(engine.prefill(*engine.inputs(prompts)))
     assert [g.tokens for g in engine.results(state)] == ref
     assert [engine.generate([p])[0].tokens for p in prompts] == ref
-    tries = np.asarray(state.tries)
-    assert tries[REPLIES:].sum() > 0 and tries[DRAFTER].sum() > 0, tries
+    if adaptive:  # the adaptive round counts its rounds by source (a fixed block keeps no counts)
+        tries = np.asarray(state.strategy.tries)
+        assert tries[REPLIES:].sum() > 0 and tries[DRAFTER].sum() > 0, tries
     # Per row: the replies' drafts where they are confident, the drafter's block elsewhere. A reply indexed twice
     # makes [40, 41] -> 42 certain (row 0); 16 distinct tokens the replies never saw leave row 1 unsure.
     from infer.replies import build_index

@@ -8,7 +8,8 @@ import pytest
 from conftest import tiny_target
 from flax import nnx
 
-from dflash_model.drafter import DraftCache, build_drafter, draft_logits, drafter_config_for, extend_context
+from dflash_model.drafter import DraftCache, build_drafter, draft_logits, extend_context
+from dflash_model.drafter_config import drafter_config_for
 from dflash_model.target import final_norm, forward, lm_head
 from train.objective import block_labels, chunked_cross_entropy, default_gamma, dflash_loss, position_weights
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from dflash_model.config import preset
-from dflash_model.drafter import drafter_config_for
+from dflash_model.drafter_config import drafter_config_for
 from infer import roofline
 from infer.projection import PROFILE_DIR, load_profile, load_profiles, project, prompt_costs
 

@@ -15,7 +15,8 @@ from safetensors.numpy import load_file, save_file
 
 from dflash_model import speculators_format
 from dflash_model.config import ConfigError, TargetConfig
-from dflash_model.drafter import DrafterConfig, build_drafter, train_logits
+from dflash_model.drafter import build_drafter, train_logits
+from dflash_model.drafter_config import DrafterConfig
 from dflash_model.drafter_weights import export_drafter, load_draft_vocab, load_drafter
 from dflash_model.target import randomize
 from dflash_model.weights import CheckpointError

@@ -16,8 +16,10 @@ from conftest import FIXTURES, REPO
 
 from data import prompt_sets
 from data.prompt_sets import SUBSET_SEED
-from dflash_model.drafter import build_drafter, drafter_config_for
+from dflash_model.drafter import build_drafter
+from dflash_model.drafter_config import drafter_config_for
 from dflash_model.drafter_weights import export_drafter
+from infer import target_replies
 from infer import teacher_forced as tf_cli
 from infer.agreement import (
     censored_survival,
@@ -173,7 +175,7 @@ def test_a_second_run_reuses_the_replies(tiny_run, tmp_path, monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("a reply was decoded again")
 
-    monkeypatch.setattr(tf_cli, "greedy_replies", refuse)
+    monkeypatch.setattr(target_replies, "greedy_replies", refuse)
     base = [a for a in args if a not in ("--real", "2")][:-3]  # without --real 2 and --out DIR --no-progress
     again = tf_cli.main([*base, "--replies", str(out), "--out", str(tmp_path / "again"), "--no-progress"])
     assert again["replies_reused"] == 3

@@ -17,7 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from data import assets
 from dflash_model import sharding as shd
 from dflash_model.config import preset
-from dflash_model.drafter import check_pairing, drafter_config_for, drafter_preset
+from dflash_model.drafter_config import check_pairing, drafter_config_for, drafter_preset
 from dflash_model.drafter_weights import export_config
 from dflash_model.files import local_dir, pull
 from dflash_model.speculators_format import VERIFIER_ARCHITECTURES

@@ -30,7 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_model.config import ConfigError
-from dflash_model.drafter import Drafter, check_pairing, train_logits
+from dflash_model.drafter import Drafter, train_logits
+from dflash_model.drafter_config import check_pairing
 from dflash_model.layers import rope_inv_freq
 from dflash_model.target import config_of, embedding_table, final_norm, forward, is_maxtext, lm_head_weight
 from train.objective import position_weights
