@@ -105,7 +105,7 @@ def main(argv=None) -> dict:
             over = [*SHARED, *shape, f"block_size={k}", f"num_anchors={anchors}", f"target.attention={kind}"]
             if target is None:  # one random target serves every cell: the attention kind is the step's, not its
                 cfg = load_config(args.config, over)
-                target, _ = load_target_model(cfg, resolve_mesh(cfg))
+                target, _ = load_target_model(cfg, resolve_mesh(cfg.mesh))
             print(f"[accelerator-step] K={k} x {anchors} anchors, attention {kind}", flush=True)
             r = {"variant": kind, **measure(args.config, over, args.steps, target=target)}
             rows.append({**r, "anchors": anchors, "fraction_of_limit": fractions(r)})

@@ -275,7 +275,7 @@ def _load_targets(cfg_name: str, shared: list[str]):
         cfg = load_config(cfg_name, [*shared, *overrides])
         key = str(cfg.target.dtype)
         if key not in cache:
-            cache[key] = load_target_model(cfg, resolve_mesh(cfg))
+            cache[key] = load_target_model(cfg, resolve_mesh(cfg.mesh))
         return cache[key]
 
     return get

@@ -1,44 +1,24 @@
 """Adaptive width, a round strategy of infer/spec.py: verify only the first w tokens of the block, w chosen each
 round to maximise the expected committed tokens per unit of measured cost.
 
-The candidates (`default_widths`) are the branches of one `lax.switch`, so each compiles once. Confidence comes
-from the proposer (its probability for each draft) or, where it gives none, from the acceptance measured so far for
-the row's source (`measured_rates`). The costs are a verify at each width and the drafter's forward, timed by
-`infer.engine.Engine.calibrate` at the decode's own shapes; they and the acceptance counts are this strategy's own
-state (`WidthState`, the decode state's `strategy`), data rather than static arguments, so no recompile.
+The candidates (`infer.width_choice.default_widths`) are the branches of one `lax.switch`, so each compiles once.
+Confidence comes from the proposer (its probability for each draft) or, where it gives none, from the acceptance
+measured so far for the row's source (`infer.width_choice.measured_rates`). The costs are a verify at each width
+and the drafter's forward, timed by `infer.engine.Engine.calibrate` at the decode's own shapes; they and the
+acceptance counts are this strategy's own state (`infer.width_choice.WidthState`, the decode state's `strategy`),
+data rather than static arguments, so no recompile.
 """
 
 from __future__ import annotations
 
 import functools
 
-import flax
 import jax
 import jax.numpy as jnp
 
 from infer.proposers import SOURCES, scored
 from infer.spec import DecodePlan, DecodeState, Verified, verify_forward
-
-
-@flax.struct.dataclass
-class WidthState:
-    """What a round choosing its verify width carries from round to round."""
-
-    tries: jax.Array  # [sources, K-1] rounds where draft j was verified after drafts 1..j-1 were accepted
-    hits: jax.Array  # [sources, K-1] ... and draft j was accepted too (the rates where a proposer gives none)
-    verify_ms_Z: jax.Array  # [Z] measured cost of verifying each candidate width
-    draft_ms: jax.Array  # [] measured cost of the drafter's forward
-
-
-def initial_state(k: int, verify_ms, draft_ms) -> WidthState:
-    """No round counted yet, and the costs `Engine.calibrate` measured (per candidate width, and the draft)."""
-    zeros = jnp.zeros((len(SOURCES), k - 1), jnp.float32)
-    return WidthState(zeros, zeros, jnp.asarray(verify_ms, jnp.float32), jnp.asarray(draft_ms, jnp.float32))
-
-
-def default_widths(k: int) -> tuple[int, ...]:
-    """Candidate verify widths for an adaptive engine of block size K: 1 (a plain step), powers of two, K."""
-    return tuple(sorted({1, k, *(w for w in (2, 4, 8, 16, 32, 64) if w < k)}))
+from infer.width_choice import best_rate, measured_rates
 
 
 @jax.named_scope("choose_width")
@@ -51,28 +31,6 @@ def choose_width(conf_BJ, live_B, widths: tuple[int, ...], cost_Z):
     """
     reach_BJ = jnp.cumprod(conf_BJ, axis=1)  # P(drafts 1..j all accepted)
     return best_rate(reach_BJ, live_B, widths, cost_Z)
-
-
-def best_rate(reach_BJ, live_B, widths, cost_Z):
-    """argmax over widths of (expected committed tokens, summed over live rows) / cost, where verifying w tokens
-    commits 1 + sum_{j < w} reach[b, j-1] in expectation: reach[b, j-1] is the probability that the j-th verified
-    draft (a chain's draft j, a tree's node j in pop order) is on the accepted path."""
-    expected_BK = 1.0 + jnp.concatenate([jnp.zeros_like(reach_BJ[:, :1]), jnp.cumsum(reach_BJ, axis=1)], axis=1)
-    expected_BZ = expected_BK[:, jnp.asarray(widths) - 1]
-    rate_Z = jnp.sum(jnp.where(live_B[:, None], expected_BZ, 0.0), axis=0) / cost_Z
-    return jnp.argmax(rate_Z).astype(jnp.int32)
-
-
-def measured_rates(tries, hits, prior_weight: float = 4.0):
-    """[sources, K-1] acceptance rate of draft j given drafts 1..j-1 were accepted, per source: what an adaptive
-    engine uses where the proposer gives no probability.
-
-    Each position's count is shrunk towards its source's rate pooled over positions ((hits + 1) / (tries + 2)),
-    worth `prior_weight` rounds. Without the pooling a position never verified keeps an even prior, so a
-    proposer whose first drafts are nearly always right is still never verified wide enough to show it.
-    """
-    pooled = (jnp.sum(hits, axis=1) + 1.0) / (jnp.sum(tries, axis=1) + 2.0)
-    return (hits + prior_weight * pooled[:, None]) / (tries + prior_weight)
 
 
 def verify_width(target, proposer, params, st: DecodeState, last_B, key, plan: DecodePlan) -> Verified:

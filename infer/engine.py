@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_model.target import config_of
-from infer.adaptive import default_widths, initial_state, verify_width
+from infer.adaptive import verify_width
 from infer.plain import pad_prompts, truncate_at_stop
 from infer.proposers import DraftsTop, GrowsTree, NoProposer, Scores, WrapsDrafter
 from infer.spec import (
@@ -33,6 +33,7 @@ from infer.spec import (
     verify_forward,
 )
 from infer.tree_round import verify_tree
+from infer.width_choice import default_widths, initial_state
 
 
 # after prefill). Each runs `reps` times inside one jitted fori_loop, its cache carried and written in place as in

@@ -69,7 +69,7 @@ class DecodeState:
     proposals: jax.Array  # [B, I, K-1] the drafts of each round
     widths: jax.Array  # [I] tokens verified by each round (the last token and widths - 1 drafts)
     drafted: jax.Array  # [I] bool: the round ran a drafter forward (the hybrid skips it when every row matched)
-    strategy: Any  # the round strategy's own state (infer.adaptive.WidthState for chosen widths; else None)
+    strategy: Any  # the round strategy's own state (infer.width_choice.WidthState for chosen widths; else None)
     nonfinite: jax.Array  # [] bool: some target logit was NaN or inf (its argmax, token 0, would be reported)
 
 

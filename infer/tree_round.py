@@ -4,7 +4,7 @@ and commit the longest path the target agrees with.
 DDTree (`infer.tree.build_tree`): the best `nodes` prefixes of the drafter's top tokens at each position. A
 proposer may instead grow its own tree (`propose_tree`: the lookup tree). With adaptive widths, the round verifies
 the first w nodes in pop order, w chosen from the nodes' path probabilities and the measured costs
-(`infer.adaptive.best_rate`).
+(`infer.width_choice.best_rate`).
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import jax
 import jax.numpy as jnp
 
 from dflash_model.target import forward
-from infer.adaptive import best_rate
 from infer.proposers import DRAFTER, LOOKUP_TREE, GrowsTree, Proposal
 from infer.spec import TRACES, DecodePlan, DecodeState, Verified, pad_positions, pick
 from infer.tree import build_tree, walk_tree
+from infer.width_choice import best_rate
 
 
 @jax.named_scope("tree_round")

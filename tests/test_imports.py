@@ -151,3 +151,57 @@ def test_the_trainer_receives_its_run_and_only_loops():
     assert not calls & {"setattr", "build_run", "export_drafter", "SummaryWriter", "start_trace"}, calls
     init = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
     assert [a.arg for a in init.args.args] == ["self", "run"]
+
+
+LIBRARY = ["dflash_model", "data", "infer", "train", "tools"]
+
+
+def _library_files():
+    return [f for package in LIBRARY for f in sorted((REPO / package).rglob("*.py"))]
+
+
+def _reads_a_target_name(tree: ast.AST) -> list[int]:
+    """Lines comparing a value with 'smollm2' / 'asset:...' or testing for the 'asset:' prefix."""
+
+    def named(node) -> bool:
+        values = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else [node]
+        return any(isinstance(v, ast.Constant) and v.value in ("smollm2", "asset:smollm2") for v in values)
+
+    lines = []
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Compare) and any(named(c) for c in [n.left, *n.comparators]):
+            lines.append(n.lineno)
+        elif isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "startswith":
+            if any(isinstance(a, ast.Constant) and str(a.value).startswith("asset:") for a in n.args):
+                lines.append(n.lineno)
+    return lines
+
+
+def test_one_function_reads_a_target_name():
+    """`data.assets.target_file` is the one reading of a target's name ('smollm2', 'asset:NAME', a directory, a
+    GGUF) for the CLIs and the trainer alike: no other library module compares a name with 'smollm2' or looks for
+    the 'asset:' prefix."""
+    readers = {
+        str(f.relative_to(REPO)): lines
+        for f in _library_files()
+        if f != REPO / "data/assets.py" and (lines := _reads_a_target_name(ast.parse(f.read_text())))
+    }
+    assert not readers, readers
+    assert _reads_a_target_name(ast.parse('if name == "smollm2" or name.startswith("asset:"): pass')) == [1, 1]
+
+
+def test_one_grain_pipeline():
+    """Every training batch, real rows or synthetic ones, comes from data/pipeline.py's grain pipeline: no other
+    library module imports grain."""
+    users = {str(f.relative_to(REPO)) for f in _library_files() if "grain" in _imported_names(f)}
+    assert users == {"data/pipeline.py"}, users
+
+
+def _imported_names(path: Path) -> set[str]:
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out.add(node.module.split(".")[0])
+    return out

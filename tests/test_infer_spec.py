@@ -96,7 +96,7 @@ def test_ngram_lookup_proposals():
 def test_measured_rates_pool_positions_until_each_has_counts():
     """A source accepted 9 times in 10 tries at draft 1 and never tried further: the pooled rate (9+1)/(10+2)
     fills in for draft 2 (untried) instead of an even 0.5, while draft 1 keeps nearly its own 0.9."""
-    from infer.adaptive import measured_rates
+    from infer.width_choice import measured_rates
 
     tries = jnp.asarray([[10.0, 0.0], [0.0, 0.0]])
     hits = jnp.asarray([[9.0, 0.0], [0.0, 0.0]])
@@ -144,8 +144,8 @@ def test_the_decode_plan_is_one_frozen_value():
 
 def test_each_round_strategy_carries_only_its_own_state():
     """A fixed-block decode carries nothing for its strategy; an adaptive one its acceptance counts and measured
-    costs (infer.adaptive.WidthState), counted by its own rounds: draft 1 is tried once per live row a round."""
-    from infer.adaptive import WidthState
+    costs (infer.width_choice.WidthState), counted by its own rounds: draft 1 is tried once per live row a round."""
+    from infer.width_choice import WidthState
 
     prompts = _prompts()
     fixed = Engine(_target("qwen3"), NGramProposer(), block_size=4, max_new_tokens=MAX_NEW)

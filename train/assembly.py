@@ -67,7 +67,7 @@ def build_run(cfg, run_dir: Path, *, devices=None, target=None, records=None) ->
     """The run's world from cfg. target: a target module to train against instead of the one cfg.target names;
     records: TokenizedRecords to train on instead of cfg.data's source. The offline features are built (or opened)
     under run_dir unless features.cache_dir names a place."""
-    mesh = resolve_mesh(cfg, devices)
+    mesh = resolve_mesh(cfg.mesh, devices)
     n_batch = mesh.shape["data"] * mesh.shape["fsdp"]
     if cfg.train.batch_size % n_batch:
         raise ValueError(f"train.batch_size={cfg.train.batch_size} is not divisible by data x fsdp = {n_batch}")
@@ -79,7 +79,7 @@ def build_run(cfg, run_dir: Path, *, devices=None, target=None, records=None) ->
     for key, value in (("block_size", cfg.block_size), ("train.max_len", cfg.train.max_len)):
         if value > positions:
             raise ValueError(f"{key}={value} exceeds the target's max_position_embeddings={positions}")
-    check_eval_lengths(cfg, positions)
+    check_eval_lengths(cfg.eval, cfg.block_size, positions)
     if not is_maxtext(target):  # MaxText placed its parameters on the mesh as it loaded them
         shd.shard_model(target, mesh)
 
@@ -209,14 +209,13 @@ def draft_vocabulary(records, vocab_size: int, size: int) -> np.ndarray:
     return np.argsort(-counts, kind="stable")[:size].astype(np.int32)
 
 
-def check_eval_lengths(cfg, positions: int) -> None:
-    """The end-of-run eval's longest prompt, its new tokens and its widest verify must fit the target's positions:
-    found when the target is known, not after training."""
-    e = cfg.eval
-    if not bool(e.enabled):
+def check_eval_lengths(e, block_size: int, positions: int) -> None:
+    """The end-of-run eval's (the config's `eval` section) longest prompt, its new tokens and its widest verify must
+    fit the target's positions: found when the target is known, not after training."""
+    if not e.enabled:
         return
-    width = max(int(e.block if e.block is not None else cfg.block_size), int(e.ngram_block))
-    need = int(e.max_prompt_tokens) + int(e.max_new_tokens) + width
+    width = max(e.block if e.block is not None else block_size, e.ngram_block)
+    need = e.max_prompt_tokens + e.max_new_tokens + width
     if need > positions:
         raise ValueError(
             f"eval.max_prompt_tokens={e.max_prompt_tokens} + eval.max_new_tokens={e.max_new_tokens} + a verify of "
@@ -224,9 +223,11 @@ def check_eval_lengths(cfg, positions: int) -> None:
         )
 
 
-def resolve_mesh(cfg, devices=None):
+def resolve_mesh(mesh, devices=None):
+    """The device mesh of the config's `mesh` section over these devices (default: all), one axis of -1 taking
+    the devices the others leave."""
     devices = list(jax.devices() if devices is None else devices)
-    m = {k: getattr(cfg.mesh, k) for k in ("data", "fsdp", "tensor")}
+    m = {k: getattr(mesh, k) for k in ("data", "fsdp", "tensor")}
     free = [k for k, v in m.items() if v == -1]
     if len(free) > 1:
         raise ValueError(f"mesh {m}: at most one axis may be -1")

@@ -134,7 +134,7 @@ def plan(cfg, pod: Pod) -> dict:
     """The dry run of `cfg` on `pod` (JAX must already hold pod.devices devices: `use_fake_devices`)."""
     if len(jax.devices()) < pod.devices:
         raise RuntimeError(f"{pod.name} needs {pod.devices} devices; JAX holds {len(jax.devices())}")
-    mesh = resolve_mesh(cfg, jax.devices()[: pod.devices])
+    mesh = resolve_mesh(cfg.mesh, jax.devices()[: pod.devices])
     t = cfg.target
     if t.path is not None:
         tcfg = load_target_config(target_file(t.path), dtype=t.dtype)

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from data.assets import smollm2_gguf
+from data.assets import target_file
 from data.conversations import load_conversations
 from data.pipeline import tokenizer_fingerprint
 from dflash_model.cli import add_xla_flags, run_main
@@ -257,10 +257,9 @@ def regenerate(
 
 
 def load(target: str, dtype: str | None = None):
-    """(model, tokenizer) of 'smollm2' (the package-shipped SmolLM2-135M GGUF), an HF directory or a .gguf;
-    dtype None = the checkpoint's own (float32 for a .gguf)."""
-    if target == "smollm2":
-        target = smollm2_gguf()
+    """(model, tokenizer) of a target name (`data.assets.target_file`: 'smollm2', an asset, an HF directory or a
+    .gguf); dtype None = the checkpoint's own (float32 for a .gguf)."""
+    target = target_file(target)
     _, model = load_target(target, dtype=dtype)
     return model, load_tokenizer(target)
 
@@ -300,7 +299,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     add_xla_flags(args.xla_flags)  # before anything starts a JAX backend
     check_output(args.output)
-    target = smollm2_gguf() if args.target == "smollm2" else args.target
+    target = target_file(args.target)
     check_lengths(load_target_config(target, dtype=args.dtype), args.max_prompt_tokens, args.max_new_tokens)
     conversations, dropped = load_conversations(args.input, limit=args.limit, skip=args.skip, require_assistant=False)
     model, tok = load(args.target, args.dtype)

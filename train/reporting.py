@@ -123,14 +123,14 @@ class Profiler:
             self.on = False
 
 
-def default_hooks(cfg, run_dir: Path, total_steps: int) -> list[Hook]:
-    """The reporting cfg.log asks for, on process 0: metrics file, console, TensorBoard (log.tensorboard) and a
-    profile (log.profile_steps > 0)."""
+def default_hooks(log, run_dir: Path, total_steps: int) -> list[Hook]:
+    """The reporting the config's `log` section asks for, on process 0: metrics file, console, TensorBoard
+    (log.tensorboard) and a profile (log.profile_steps > 0)."""
     if jax.process_index() != 0:
         return []
-    hooks: list[Hook] = [MetricsFile(run_dir / "metrics.jsonl"), Console(cfg.log.every, total_steps)]
-    if cfg.log.tensorboard:
+    hooks: list[Hook] = [MetricsFile(run_dir / "metrics.jsonl"), Console(log.every, total_steps)]
+    if log.tensorboard:
         hooks.append(TensorBoard(run_dir / "tb"))
-    if cfg.log.profile_steps:
-        hooks.append(Profiler(run_dir / "profile", cfg.log.profile_start, cfg.log.profile_steps))
+    if log.profile_steps:
+        hooks.append(Profiler(run_dir / "profile", log.profile_start, log.profile_steps))
     return hooks

@@ -111,7 +111,7 @@ def _run(name: str, cfg, lock) -> dict:
             )
         from dflash_model.tokenizer import load_tokenizer
 
-        target, tok_path = load_target_model(cfg, resolve_mesh(cfg))
+        target, tok_path = load_target_model(cfg, resolve_mesh(cfg.mesh))
         tok_source = cfg.data.tokenizer or tok_path
         tokenizer = load_tokenizer(tok_source)
         path, heldout = workflow.prepare_regenerated(cfg, target, tokenizer, _target_name(cfg))

@@ -224,7 +224,7 @@ class Trainer:
 
     def _make_hooks(self) -> list[Hook]:
         if self._hooks is None:
-            return default_hooks(self.cfg, self.run_dir, self.total_steps)
+            return default_hooks(self.cfg.log, self.run_dir, self.total_steps)
         return list(self._hooks)
 
     def _train(self, max_steps: int | None) -> dict:
