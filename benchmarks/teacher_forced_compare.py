@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from dflash_model.files import atomic_write_text, check_out_dir  # noqa: E402
 from infer.agreement import resampled_survival  # noqa: E402
-from infer.intervals import LEVEL, MIN_PROMPTS, _interval, resamples  # noqa: E402
+from infer.intervals import LEVEL, MIN_PROMPTS, percentile_interval, resamples  # noqa: E402
 from infer.metrics import round_costs, strict_dumps  # noqa: E402
 from infer.projection import load_profiles  # noqa: E402
 
@@ -78,7 +78,7 @@ def compare_set(a: dict, b: dict, ka: int, kb: int, name: str, profiles: dict | 
         ta, tb, point_a, point_b = measures["tau"]
         measures[f"projected@{pname}"] = (ta / ca, tb / cb, point_a / ca, point_b / cb)
     for key, (ra, rb, point_a, point_b) in measures.items():
-        lo, hi = _interval(ra - rb, LEVEL)
+        lo, hi = percentile_interval(ra - rb, LEVEL)
         resolved = len(pa) >= MIN_PROMPTS and (lo > 0 or hi < 0)
         out[key] = {"a": point_a, "b": point_b, "difference": point_a - point_b, "low": lo, "high": hi,
                     "resolved": bool(resolved)}  # fmt: skip

@@ -29,7 +29,7 @@ import numpy as np
 
 from dflash_model.drafter import train_logits
 from dflash_model.target import config_of, forward, lm_head
-from infer.intervals import LEVEL, REPLICATES, SEED, _interval, resamples
+from infer.intervals import LEVEL, REPLICATES, SEED, percentile_interval, resamples
 
 # Anchors per drafter call: the lm_head's [anchors, K-1, V] logits of one call stay near 2**26 floats.
 _LOGITS_BUDGET = 1 << 26
@@ -142,8 +142,8 @@ def survival_intervals(
         return {"survival_ci": [[math.nan, math.nan]] * (k - 1), "tau_ci": [math.nan, math.nan], "prompts": 0}
     reps = resampled_survival(accept_lengths, finals, k, resamples(n, replicates, seed))
     return {
-        "survival_ci": [list(_interval(reps[:, j], level)) for j in range(k - 1)],
-        "tau_ci": list(_interval(_tau(reps), level)),
+        "survival_ci": [list(percentile_interval(reps[:, j], level)) for j in range(k - 1)],
+        "tau_ci": list(percentile_interval(_tau(reps), level)),
         "prompts": n,
     }
 
@@ -173,7 +173,7 @@ def gap_intervals(
     tf = resampled_survival(tf_lengths, tf_finals, k, draws)
     diff = {f"S_{j + 1}": real[:, j] - tf[:, j] for j in range(min(slots, k - 1))}
     diff["tau"] = _tau(real) - _tau(tf)
-    return {key: list(_interval(diff[key], level)) for key in keys}
+    return {key: list(percentile_interval(diff[key], level)) for key in keys}
 
 
 def _row_blocks(seq: np.ndarray, anchors: list[int], k: int):

@@ -32,7 +32,9 @@ def resamples(prompts: int, replicates: int = REPLICATES, seed: int = SEED) -> n
     return np.random.default_rng(seed).integers(0, prompts, size=(replicates, prompts))
 
 
-def _interval(replicates: np.ndarray, level: float) -> tuple[float, float]:
+def percentile_interval(replicates: np.ndarray, level: float) -> tuple[float, float]:
+    """The central `level` interval of bootstrap replicates (a percentile bootstrap), over the finite ones; NaNs
+    where most replicates are undefined."""
     finite = replicates[np.isfinite(replicates)]
     if finite.size < 0.5 * replicates.size:  # most draws undefined (e.g. no round at all): no interval
         return math.nan, math.nan
@@ -56,7 +58,7 @@ def ratio_interval(
         raise ValueError(f"one numerator and one denominator per prompt, got {num.shape} and {den.shape}")
     if not num.size or not np.all(np.isfinite(num)) or not np.all(np.isfinite(den)):
         return math.nan, math.nan
-    return _interval(_ratio(num, den, resamples(num.size, replicates, seed)), level)
+    return percentile_interval(_ratio(num, den, resamples(num.size, replicates, seed)), level)
 
 
 def mean_interval(values: Sequence[float], **kwargs) -> tuple[float, float]:
@@ -83,7 +85,7 @@ def paired_difference(
     lo = hi = math.nan
     if n and all(np.all(np.isfinite(x)) for x in (an, ad, bn, bd)):
         draws = resamples(n, replicates, seed)
-        lo, hi = _interval(_ratio(an, ad, draws) - _ratio(bn, bd, draws), level)
+        lo, hi = percentile_interval(_ratio(an, ad, draws) - _ratio(bn, bd, draws), level)
     resolved = bool(n >= MIN_PROMPTS and math.isfinite(lo) and (lo > 0 or hi < 0))
     return {"difference": float(point), "low": lo, "high": hi, "prompts": n, "resolved": resolved}
 

@@ -205,3 +205,40 @@ def _imported_names(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             out.add(node.module.split(".")[0])
     return out
+
+
+def _top_level_names(path: Path) -> set[str]:
+    names = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+    return names
+
+
+def test_committed_scripts_import_public_names_that_exist():
+    """A script kept beside its results (docs/) or a benchmark imports from the project only public names its
+    modules define: a renamed or removed function breaks the test, not a reader rerunning the command."""
+    scripts = [f for f in sorted((REPO / "docs").rglob("*.py"))] + sorted((REPO / "benchmarks").glob("*.py"))
+    problems = []
+    for script in scripts:
+        for node in ast.walk(ast.parse(script.read_text())):
+            if not (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module):
+                continue
+            if node.module.split(".")[0] not in ORDER:
+                continue
+            base = REPO / node.module.replace(".", "/")
+            module = base.with_suffix(".py") if base.with_suffix(".py").is_file() else base / "__init__.py"
+            if not module.is_file():
+                problems.append(f"{script.relative_to(REPO)}: no module {node.module}")
+                continue
+            defined = _top_level_names(module)
+            for alias in node.names:
+                sub = base / f"{alias.name}.py"
+                if alias.name.startswith("_") or (alias.name not in defined and not sub.is_file()):
+                    problems.append(f"{script.relative_to(REPO)}: {node.module}.{alias.name}")
+    assert scripts and not problems, problems
