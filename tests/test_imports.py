@@ -10,14 +10,19 @@ from conftest import REPO
 ORDER = ["dflash_model", "data", "infer", "train", "benchmarks"]
 
 
-def _imported_packages(path: Path) -> set[str]:
+def _imported_names(path: Path) -> set[str]:
+    """The top-level packages a file imports, function-local imports included."""
     out = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             out |= {a.name.split(".")[0] for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             out.add(node.module.split(".")[0])
-    return out & set(ORDER)
+    return out
+
+
+def _imported_packages(path: Path) -> set[str]:
+    return _imported_names(path) & set(ORDER)
 
 
 @pytest.mark.parametrize("package", ORDER)
@@ -195,16 +200,6 @@ def test_one_grain_pipeline():
     library module imports grain."""
     users = {str(f.relative_to(REPO)) for f in _library_files() if "grain" in _imported_names(f)}
     assert users == {"data/pipeline.py"}, users
-
-
-def _imported_names(path: Path) -> set[str]:
-    out = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            out |= {a.name.split(".")[0] for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            out.add(node.module.split(".")[0])
-    return out
 
 
 def _top_level_names(path: Path) -> set[str]:
