@@ -51,13 +51,17 @@ from infer.metrics import strict_dumps
 from infer.options import decode_options
 from infer.projection import available_profiles, load_profiles
 from infer.report import (
+    drop_kept_sets,
+    finished_set,
     format_comparison,
     format_flips,
     format_sets,
     format_table,
+    keep_set,
     params_sha256,
     plot_acceptance,
     plot_comparison,
+    set_file_name,
     target_sha256,
     write_acceptance_csv,
 )
@@ -345,7 +349,9 @@ def _write_many(out: Path, about: dict, results: dict, skipped: dict) -> tuple[d
     """eval.json's content and the combined table of a run of several sets; acceptance-SET.png per set."""
     for name, res in results.items():
         res["source"] = dataset_source(name)
-        plot_comparison(res["reports"], out / f"acceptance-{name}.png", title=f"{name}: survival and acceptance")
+        plot_comparison(
+            res["reports"], out / f"acceptance-{set_file_name(name)}.png", title=f"{name}: survival and acceptance"
+        )
     rep = {**about, "datasets": results, "skipped": skipped}
     return rep, format_sets(results, skipped)
 
@@ -361,9 +367,14 @@ def main(argv=None) -> dict:
 def _main(args, argv) -> dict:
     target, drafts, sets, skipped, stop_ids = checked_inputs(args)
     out = local_dir(args.out)
-    results = {name: _run_set(args, target, drafts, prepared, stop_ids) for name, prepared in sets.items()}
     about = _about(args, argv, target, drafts)
     many = len(dataset_names(args.dataset)) > 1
+    results = {}
+    for name, prepared in sets.items():  # with several sets, each kept as it finishes (report.keep_set)
+        kept = finished_set(out, name, about) if many else None
+        results[name] = kept or _run_set(args, target, drafts, prepared, stop_ids)
+        if many and kept is None:
+            keep_set(out, name, about, results[name])
     if many:
         rep, table = _write_many(out, about, results, skipped)
     else:
@@ -372,6 +383,7 @@ def _main(args, argv) -> dict:
     atomic_write_text(out / "eval.json", strict_dumps(rep, indent=1).replace(str(Path.home()), "~"))
     write_acceptance_csv(results, out / "acceptance.csv")
     atomic_write_text(out / "table.md", table + "\n")
+    drop_kept_sets(out)
     print(table)
     push(args.out)
     print(f"wrote {run_path(args.out, 'eval.json')}, table.md, acceptance.csv and the acceptance plots")

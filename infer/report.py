@@ -7,7 +7,10 @@ from __future__ import annotations
 import csv
 import hashlib
 import io
+import json
 import math
+import re
+import shutil
 from pathlib import Path
 
 import jax
@@ -17,6 +20,7 @@ import numpy as np
 from dflash_model.files import atomic_write_text, sha256_file
 from infer.intervals import comparisons, format_comparisons
 from infer.measure import LOSSLESS_SAMPLED, TAU_NOTE
+from infer.metrics import strict_dumps
 from infer.projection import HEADLINE_PROFILE
 
 
@@ -330,3 +334,37 @@ def format_sets(results: dict[str, dict], skipped: dict[str, str]) -> str:
         if len(res["reports"]) > 1:
             lines += ["", f"{name}: " + format_comparisons(comparisons(res["reports"], HEADLINE_PROFILE))]
     return "\n".join(lines)
+
+
+# --- sets kept as they finish ----------------------------------------------------------------------------------------
+# A run of several sets keeps each set's result as soon as it is decoded (OUT/sets/NAME.json, beside what the run is:
+# its `about`), so a run stopped in its third set, rerun with the same command, decodes only what is left. The kept
+# files go once eval.json is written.
+KEPT = "sets"
+
+
+def set_file_name(name: str) -> str:
+    """A set's name as a file name: a named set as it is, a JSONL path or hf:ORG/NAME with every character a file
+    name cannot safely hold replaced by `_`."""
+    return re.sub(r"[^\w.-]+", "_", name).strip("_") or "set"
+
+
+def finished_set(out: Path, name: str, about: dict) -> dict | None:
+    """A set's result kept by an earlier run of this same evaluation (equal `about`: command, weights, device,
+    profiles), else None."""
+    path = out / KEPT / f"{set_file_name(name)}.json"
+    try:
+        kept = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    same = isinstance(kept, dict) and kept.get("about") == json.loads(strict_dumps(about))
+    return kept["result"] if same and isinstance(kept.get("result"), dict) else None
+
+
+def keep_set(out: Path, name: str, about: dict, result: dict) -> None:
+    (out / KEPT).mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out / KEPT / f"{set_file_name(name)}.json", strict_dumps({"about": about, "result": result}))
+
+
+def drop_kept_sets(out: Path) -> None:
+    shutil.rmtree(out / KEPT, ignore_errors=True)

@@ -100,6 +100,39 @@ def test_eval_cli_on_a_jsonl_of_prompt_ids(tmp_path, capsys):
     assert 0 < saved["loop_overhead"] < 100 and saved["costs_ms"]["plain"]["widths"] == [1]
 
 
+def test_a_run_of_several_sets_resumes_after_the_sets_it_finished(tmp_path, monkeypatch):
+    """Each set of a several-set eval is kept as it finishes: rerun after a crash in the second set, the same
+    command decodes only the second, and eval.json equals an uninterrupted run's (timings aside)."""
+    sets = []
+    for name in ("first", "second"):
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text(json.dumps({"id": f"{name}0", "prompt_ids": PROMPT}) + "\n")
+        sets.append(str(path))
+    args = ["--target", str(FIXTURES / "tiny_qwen3"), "--draft", "ngram", "--block", "4", "--max-new-tokens", "6"]
+    args += ["--dataset", ",".join(sets), "--out", str(tmp_path / "out"), "--no-progress"]
+    run_set, decoded = ev._run_set, []
+
+    def crash_in_second(args, target, drafts, prepared, stop_ids):
+        decoded.append(prepared[0][0]["id"])
+        if prepared[0][0]["id"] == "second0" and len(decoded) == 2:
+            raise RuntimeError("stopped mid-run")
+        return run_set(args, target, drafts, prepared, stop_ids)
+
+    monkeypatch.setattr(ev, "_run_set", crash_in_second)
+    with pytest.raises(RuntimeError, match="stopped mid-run"):
+        ev.main(args)
+    resumed = ev.main(args)
+    assert decoded == ["first0", "second0", "second0"]  # the first set was not decoded again
+    assert not (tmp_path / "out" / report.KEPT).exists()  # the kept sets go once eval.json is written
+    again = ev.main([*args[:-3], "--out", str(tmp_path / "again"), "--no-progress"])
+    for name, res in resumed["datasets"].items():
+        for key in ("tau", "rounds", "per_prompt", "survival"):
+            mine, theirs = res["reports"]["ngram"][key], again["datasets"][name]["reports"]["ngram"][key]
+            if key == "per_prompt":
+                mine, theirs = ([r["accept_lengths"] for r in x] for x in (mine, theirs))
+            assert mine == theirs, (name, key)
+
+
 @pytest.mark.long
 def test_eval_compares_adaptive_and_fixed_with_repeats(tmp_path):
     """Two decoders and plain interleaved, 2 repeats: one table, the speedup the median of the per-repeat
