@@ -29,7 +29,7 @@ LOOKUP_TREE_ORDERS = (1, 4)  # the reply n-gram orders (min_n, max_n) a lookup t
 # adaptive engine measures the acceptance of a near-certain continuation apart from a guess among many.
 REPLY_BUCKETS = (0.0, 0.4, 0.6, 0.8)  # lower bounds of the reply-lookup buckets
 SOURCES += ("replies <0.4", "replies 0.4-0.6", "replies 0.6-0.8", "replies 0.8+")
-SOURCES += ("lookup tree",)  # a tree round's (its tries count verified nodes as depths: bookkeeping only)
+SOURCES += ("lookup tree",)  # the source of a grown lookup tree's round (a tree round keeps no per-source counts)
 LOOKUP_TREE = SOURCES.index("lookup tree")
 REPLIES = SOURCES.index("replies <0.4")  # the first reply bucket
 
