@@ -277,3 +277,43 @@ def test_two_committed_drafters_compare_on_tau_and_projected_speedup():
         assert p["low"] <= p["difference"] <= p["high"]
     gsm8k = result["gsm8k"]["tau"]
     assert gsm8k["resolved"] and gsm8k["difference"] == pytest.approx(-0.054, abs=5e-4)
+
+
+def test_the_matrix_of_several_runs_agrees_with_each_run_and_with_the_pairwise_comparison(tmp_path):
+    """benchmarks/teacher_forced_matrix.py over three committed runs (K=64 at 64, K=64 at 16, the shipped drafter at
+    16; the same prompts and replies): each cell's tau and interval are its own run's (tau_ci, where every slot has
+    an estimate), each difference from the reference cell equals teacher_forced_compare.py's paired one, and the
+    reference's difference from itself is 0 and not resolved."""
+    import importlib.util
+
+    def script(name):
+        spec = importlib.util.spec_from_file_location(name, REPO / f"benchmarks/{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    tfm, tfc = script("teacher_forced_matrix"), script("teacher_forced_compare")
+    base = REPO / "docs/results/wide-blocks/500k"
+    shipped = REPO / "docs/results/teacher-forced/shipped"
+    runs = [f"shipped={shipped}", str(base / "tf-ft64-at64"), str(base / "tf-ft64-at16")]
+    matrix = tfm.main([*runs, "--profiles", "tpu-v5p", "--shapes", "qwen3-8b,smollm2-135m", "--out", str(tmp_path)])
+    pair = tfc.main([str(base / "tf-ft64-at64"), str(shipped), "--profiles", "tpu-v5p"])
+    assert {c["label"] for c in next(iter(matrix["sets"].values()))["cells"]} == {"shipped", "ft64"}
+    for name, result in matrix["sets"].items():
+        ref, wide, narrow = result["cells"]
+        own = json.loads((base / "tf-ft64-at16/teacher_forced.json").read_text())["sets"][name]
+        assert narrow["k"] == 16 and narrow["tau"]["value"] == pytest.approx(own["tau"], abs=1e-9)
+        assert narrow["tau"]["interval"] == pytest.approx(own["tau_ci"], abs=1e-9)
+        assert wide["tau"]["minus_against"] == pytest.approx(pair[name]["tau"]["difference"], abs=1e-9)
+        assert wide["tau"]["minus_against_interval"] == pytest.approx(
+            [pair[name]["tau"]["low"], pair[name]["tau"]["high"]], abs=1e-9
+        )
+        assert wide["tau"]["resolved"] == pair[name]["tau"]["resolved"]
+        key = "projected@tpu-v5p@qwen3-8b"
+        assert wide[key]["minus_against"] == pytest.approx(pair[name]["projected@tpu-v5p"]["difference"], abs=1e-9)
+        assert ref["tau"]["minus_against"] == 0 and ref["tau"]["minus_against_interval"] == [0, 0]
+        assert not ref["tau"]["resolved"]
+        # a SmolLM2-sized target's plain step is priced too: a different projection from the same tau
+        assert wide["projected@tpu-v5p@smollm2-135m"]["value"] != pytest.approx(wide[key]["value"], abs=1e-3)
+    assert (tmp_path / "matrix.md").read_text().count("| ft64 |") >= 3 * len(matrix["sets"])
+    assert (tmp_path / "survival.png").stat().st_size > 0
