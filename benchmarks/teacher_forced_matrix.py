@@ -38,6 +38,7 @@ from infer.agreement import resampled_survival  # noqa: E402
 from infer.intervals import LEVEL, MIN_PROMPTS, percentile_interval, resamples  # noqa: E402
 from infer.metrics import strict_dumps  # noqa: E402
 from infer.projection import load_profiles  # noqa: E402
+from infer.report import plot_survival_grid  # noqa: E402
 
 RUN_NAME = re.compile(r"tf-(?P<arm>.+)-at(?P<k>[0-9]+)")
 DRAFTER_LAYERS = {"smollm2-135m": 4}  # the shipped SmolLM2 drafter's depth; other shapes: z-lab's 5-layer drafters
@@ -142,27 +143,9 @@ def _diff(d: dict, spec: str) -> str:
 
 
 def plot(matrix: dict, cells: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = list(matrix["sets"])
-    fig, axes = plt.subplots(1, len(names), figsize=(5 * len(names), 4), squeeze=False)
-    for ax, name in zip(axes[0], names):
-        for c in cells:
-            s = [np.nan if x is None else x for x in c["survival"][name]]
-            ax.plot(range(1, len(s) + 1), s, label=f"{c['label']} at K={c['k']}", lw=1)
-        ax.set_title(name)
-        ax.set_xlabel("j (drafts)")
-        ax.set_ylabel("S_j = P(>= j drafts accepted)")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    """One panel per set: every cell's survival curve."""
+    row = [(name, [(f"{c['label']} at K={c['k']}", c["survival"][name]) for c in cells]) for name in matrix["sets"]]
+    plot_survival_grid([row], path)
 
 
 def main(argv=None) -> dict:

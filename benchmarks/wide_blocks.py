@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from dflash_model.files import atomic_write_text, claim_dir  # noqa: E402
+from infer.report import plot_survival_grid  # noqa: E402
 from train.objective import default_gamma  # noqa: E402
 
 SHIPPED = "drafters/smollm2-135m-dflash"
@@ -310,30 +311,16 @@ def format_tables(mats: dict, arms: list[dict]) -> str:
 
 def plot_survival(mats: dict, path: Path) -> None:
     """Per set, survival against position: every row at K_infer = 16 (left) and at its own widest K (right)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(len(mats), 2, figsize=(12, 3.6 * len(mats)), squeeze=False)
-    for (name, rows), (left, right) in zip(mats.items(), axes):
+    grid = []
+    for name, rows in mats.items():
+        left, right = [], []
         for row, cells in rows.items():
-            for ax, k in ((left, 16), (right, max(cells))):
+            for curves, k in ((left, 16), (right, max(cells))):
                 c = cells.get(k)
                 if c and c["survival"]:
-                    s = [math.nan if v is None else v for v in c["survival"]]
-                    ax.plot(range(1, len(s) + 1), s, label=f"{row} (K={k}, tau {_fmt(c['tau'])})")
-        left.set_title(f"{name}: survival at K_infer = 16")
-        right.set_title(f"{name}: survival at each drafter's own K")
-        for ax in (left, right):
-            ax.set_xlabel("draft position j")
-            ax.set_ylabel("P(>= j drafts accepted)")
-            ax.set_yscale("log")
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+                    curves.append((f"{row} (K={k}, tau {_fmt(c['tau'])})", c["survival"]))
+        grid.append([(f"{name}: survival at K_infer = 16", left), (f"{name}: survival at each drafter's own K", right)])
+    plot_survival_grid(grid, path)
 
 
 def main(argv=None) -> dict:

@@ -166,6 +166,31 @@ def _plot_survival(reports: dict[str, dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def plot_survival_grid(grid: list[list[tuple[str, list[tuple[str, list]]]]], path: Path) -> None:
+    """Panels of survival curves on a log scale, one row of panels per list in `grid`, each panel (title,
+    [(label, [S_1, S_2, ...])]) with None for a slot without an estimate: several drafters' curves side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cols = max(len(row) for row in grid)
+    fig, axes = plt.subplots(len(grid), cols, figsize=(5.5 * cols, 3.6 * len(grid)), squeeze=False)
+    for row, ax_row in zip(grid, axes):
+        for (title, curves), ax in zip(row, ax_row):
+            for label, survival in curves:
+                ax.plot(range(1, len(survival) + 1), _nan_for_none(survival), label=label, lw=1)
+            ax.set_title(title, fontsize=9)
+            ax.set_xlabel("draft position j")
+            ax.set_ylabel("P(>= j drafts accepted)")
+            ax.set_yscale("log")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def plot_acceptance(rep: dict, path: Path) -> None:
     """One decoder's survival and conditional acceptance against draft position."""
     title = f"{rep['draft']}, K={rep['block_size']}, tau={_num(rep['tau'], 2)}, {rep['prompts']} prompts"
