@@ -178,8 +178,11 @@ def plot_survival_grid(grid: list[list[tuple[str, list[tuple[str, list]]]]], pat
     fig, axes = plt.subplots(len(grid), cols, figsize=(5.5 * cols, 3.6 * len(grid)), squeeze=False)
     for row, ax_row in zip(grid, axes):
         for (title, curves), ax in zip(row, ax_row):
+            last = 1  # the x axis ends past the deepest slot any curve reaches (a K=128 block rarely passes 20)
             for label, survival in curves:
                 ax.plot(range(1, len(survival) + 1), _nan_for_none(survival), label=label, lw=1)
+                last = max([last, *(j for j, v in enumerate(survival, 1) if v)])
+            ax.set_xlim(0.5, last + 1.5)
             ax.set_title(title, fontsize=9)
             ax.set_xlabel("draft position j")
             ax.set_ylabel("P(>= j drafts accepted)")
