@@ -43,13 +43,16 @@ def load(directory: Path) -> dict:
     return json.loads(path.read_text())
 
 
-def _arrays(per_prompt: list[dict]):
-    return [p["accept_lengths"] for p in per_prompt], [p["final"] for p in per_prompt]
-
-
-def _tau(result: dict) -> float:
+def tau(result: dict) -> float:
     """1 + the sum of a set's survival, a slot with no estimate (None in the JSON) counted as 0."""
     return 1.0 + sum(x for x in result["survival"] if x is not None)
+
+
+def resampled_tau(result: dict, k: int, draws: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A set's survival [R, K-1] and tau [R] over each row of prompt draws, counted as `tau` counts them."""
+    per_prompt = result["per_prompt"]
+    s = resampled_survival([p["accept_lengths"] for p in per_prompt], [p["final"] for p in per_prompt], k, draws)
+    return s, 1 + np.nansum(s, axis=1)
 
 
 def round_cost(profile, k: int) -> float:
@@ -65,12 +68,12 @@ def compare_set(a: dict, b: dict, ka: int, kb: int, name: str, profiles: dict | 
     if [(p["id"], p["reply"]) for p in pa] != [(p["id"], p["reply"]) for p in pb]:
         raise SystemExit(f"error: set {name}: the two runs hold different prompts or replies (use --replies)")
     draws = resamples(len(pa))
-    sa = resampled_survival(*_arrays(pa), ka, draws)
-    sb = resampled_survival(*_arrays(pb), kb, draws)
+    sa, ta = resampled_tau(a, ka, draws)
+    sb, tb = resampled_tau(b, kb, draws)
     out = {"prompts": len(pa), "blocks": [a["blocks"], b["blocks"]]}
     # A deep slot where every block that got there ran past the reply (censored) has no survival estimate; tau
     # counts it as 0 there, a lower bound (the slots it drops are the rarest: K=64 blocks near a reply's end).
-    measures = {"tau": (1 + np.nansum(sa, axis=1), 1 + np.nansum(sb, axis=1), _tau(a), _tau(b))}
+    measures = {"tau": (ta, tb, tau(a), tau(b))}
     for j in range(SLOTS):
         measures[f"S_{j + 1}"] = (sa[:, j], sb[:, j], a["survival"][j], b["survival"][j])
     for pname, profile in (profiles or {}).items():

@@ -31,10 +31,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from teacher_forced_compare import load, round_cost  # noqa: E402
+from teacher_forced_compare import load, resampled_tau, round_cost, tau  # noqa: E402
 
 from dflash_model.files import atomic_write_text, check_out_dir  # noqa: E402
-from infer.agreement import resampled_survival  # noqa: E402
 from infer.intervals import LEVEL, MIN_PROMPTS, percentile_interval, resamples  # noqa: E402
 from infer.metrics import strict_dumps  # noqa: E402
 from infer.projection import load_profiles  # noqa: E402
@@ -62,8 +61,8 @@ def _interval(values: np.ndarray) -> list[float]:
 
 
 def set_matrix(cells: list[dict], name: str, against: int, projections: dict) -> dict:
-    """One set's cells: tau, S_1..S_3 and each projection with intervals, and each cell minus cell `against`,
-    paired over one set of resampled prompts."""
+    """One set's cells: tau and each projection with intervals, each minus cell `against` paired over one set of
+    resampled prompts, and the cell's survival curve."""
     runs = [c["run"]["sets"][name] for c in cells]
     keys = [(p["id"], p["reply"]) for p in runs[0]["per_prompt"]]
     for c, r in zip(cells, runs):
@@ -72,32 +71,25 @@ def set_matrix(cells: list[dict], name: str, against: int, projections: dict) ->
     draws = resamples(len(keys))
     reps, points = [], []
     for c, r in zip(cells, runs):
-        k = c["k"]
-        s = resampled_survival([p["accept_lengths"] for p in r["per_prompt"]], [p["final"] for p in r["per_prompt"]],
-                               k, draws)  # fmt: skip
-        point_s = np.array([np.nan if x is None else x for x in r["survival"]], float)
-        rep = {"tau": 1 + np.nansum(s, axis=1)}
-        point = {"tau": 1 + np.nansum(point_s)}
+        rep, point = {"tau": resampled_tau(r, c["k"], draws)[1]}, {"tau": tau(r)}
         for key, profile in projections.items():
-            cost = round_cost(profile, k)
+            cost = round_cost(profile, c["k"])
             rep[key], point[key] = rep["tau"] / cost, point["tau"] / cost
         reps.append(rep)
         points.append(point)
-        c.setdefault("survival", {})[name] = r["survival"]
     out = {"prompts": len(keys), "against": cells[against]["label"], "cells": []}
-    for c, r, rep, point in zip(cells, runs, reps, points):
+    for i, (c, r, rep, point) in enumerate(zip(cells, runs, reps, points)):
         cell = {"label": c["label"], "k": c["k"], "dir": c["dir"], "blocks": r["blocks"]}
         for key in rep:
-            diff = rep[key] - reps[against][key]
-            lo, hi = _interval(diff)
+            lo, hi = _interval(rep[key] - reps[against][key])
             cell[key] = {
                 "value": float(point[key]),
                 "interval": _interval(rep[key]),
                 "minus_against": float(point[key] - points[against][key]),
                 "minus_against_interval": [lo, hi],
-                "resolved": bool(c is not cells[against] and len(keys) >= MIN_PROMPTS and (lo > 0 or hi < 0)),
+                "resolved": bool(i != against and len(keys) >= MIN_PROMPTS and (lo > 0 or hi < 0)),
             }
-        cell["S_1"] = r["survival"][0] if r["survival"] else None
+        cell["survival"] = r["survival"]
         out["cells"].append(cell)
     return out
 
@@ -142,9 +134,10 @@ def _diff(d: dict, spec: str) -> str:
     return f"{d['minus_against']:{spec}} [{lo:{spec}}, {hi:{spec}}]{'*' if d['resolved'] else ''}"
 
 
-def plot(matrix: dict, cells: list[dict], path: Path) -> None:
+def plot(matrix: dict, path: Path) -> None:
     """One panel per set: every cell's survival curve."""
-    row = [(name, [(f"{c['label']} at K={c['k']}", c["survival"][name]) for c in cells]) for name in matrix["sets"]]
+    row = [(name, [(f"{c['label']} at K={c['k']}", c["survival"]) for c in result["cells"]])
+           for name, result in matrix["sets"].items()]  # fmt: skip
     plot_survival_grid([row], path)
 
 
@@ -159,12 +152,13 @@ def main(argv=None) -> dict:
     if args.out:
         check_out_dir(args.out, "--out")
     entries = [parse_entry(t) for t in args.runs]
-    against = parse_entry(args.against) if args.against else entries[0]
-    if against not in entries:
-        entries.insert(0, against)
     dirs = [d for _, d in entries]
     if len(set(dirs)) < len(dirs):
         raise SystemExit("error: a directory is named twice")
+    against = parse_entry(args.against) if args.against else entries[0]
+    if against[1] not in dirs:  # matched by directory: `--against DIR` names a run listed as LABEL=DIR too
+        entries.insert(0, against)
+        dirs.insert(0, against[1])
     cells = []
     for label, d in entries:
         run = load(d)
@@ -183,7 +177,7 @@ def main(argv=None) -> dict:
     sets = [s for s in cells[0]["run"]["sets"] if all(s in c["run"]["sets"] for c in cells)]
     if not sets:
         raise SystemExit("error: the runs share no set")
-    i = entries.index(against)
+    i = dirs.index(against[1])
     matrix = {
         "against": cells[i]["label"],
         "against_k": cells[i]["k"],
@@ -199,10 +193,8 @@ def main(argv=None) -> dict:
     if args.out:
         cmd = "python benchmarks/teacher_forced_matrix.py " + " ".join(shlex.quote(x) for x in (argv or sys.argv[1:]))
         atomic_write_text(args.out / "matrix.md", f"Made by `{cmd}`.\n\n{text}")
-        record = {"command": cmd, "projections": notes, **matrix,
-                  "cells": [{k: v for k, v in c.items() if k != "run"} for c in cells]}  # fmt: skip
-        atomic_write_text(args.out / "matrix.json", strict_dumps(record))
-        plot(matrix, cells, args.out / "survival.png")
+        atomic_write_text(args.out / "matrix.json", strict_dumps({"command": cmd, "projections": notes, **matrix}))
+        plot(matrix, args.out / "survival.png")
     return matrix
 
 
