@@ -31,6 +31,7 @@ import sys
 from pathlib import Path
 
 import jax
+from tqdm import tqdm
 
 from data.prompt_sets import SETS, STYLES, ZLAB, Unavailable, held_out
 from dflash_model.cli import run_main
@@ -226,9 +227,17 @@ def prepared_set(args, target, drafts, name: str, rows: list[dict], stop_ids) ->
     thinking = _check_thinking(args, target)
     if any("earlier_turns" in r for r in rows):
         model = target.load_weights().model
-        rows = answer_earlier_turns(
-            model, target.tokenizer, rows, max_new_tokens=args.max_new_tokens, stop_ids=stop_ids, thinking=thinking
-        )
+        with tqdm(desc=f"{name}: earlier turns", unit="answer", disable=args.no_progress, file=sys.stderr) as bar:
+            rows = answer_earlier_turns(
+                model,
+                target.tokenizer,
+                rows,
+                max_new_tokens=args.max_new_tokens,
+                stop_ids=stop_ids,
+                thinking=thinking,
+                batch_size=args.batch_size,
+                bar=bar,
+            )
     prompts = encode(rows, target.tokenizer, thinking=thinking)
     names = [f"--dataset {name}: prompt {r['id']}" for r in rows]
     check_prompt_ids(prompts, target.config, names=names)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from data.prompt_sets import SETS, ZLAB, hf_prompts, jsonl_prompts, named_prompts
 from dflash_model.tokenizer import chat_prompt_ids
-from infer.engine import Engine
+from infer.plain import greedy_replies
 
 DATASETS = tuple(SETS)
 
@@ -46,31 +46,51 @@ def dataset_source(name: str) -> str:
     return name
 
 
-def answer_earlier_turns(model, tokenizer, rows: list[dict], *, max_new_tokens: int, stop_ids=(), thinking=False):
+def answer_earlier_turns(
+    model, tokenizer, rows: list[dict], *, max_new_tokens: int, stop_ids=(), thinking=False, batch_size=1, bar=None
+):
     """Rows with `earlier_turns` made chats: each earlier user turn followed by the target's own answer to it
     (plain greedy decoding, up to max_new_tokens, the text without special tokens), then the row's turn. This is
     z-lab's MT-Bench turn 2, there asked after the speculative decode's answer, the same text under greedy
-    decoding."""
+    decoding. The answers of one turn depth are decoded together, `batch_size` at a time (`bar`, a tqdm bar, counts
+    them): a set's earlier turns at 512 tokens are minutes of plain decoding on a CPU."""
     if not any("earlier_turns" in r for r in rows):
         return rows
     if tokenizer is None:
         raise ValueError("a multi-turn set needs the target's tokenizer to write its answers back into the chat")
-    engine = Engine(model, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
-    answers: dict[str, str] = {}
+    answers: dict[str, str] = {}  # json of a conversation ending in a user turn -> the target's answer to it
+
+    def conversation(turns: list[str]) -> list[dict]:
+        messages: list[dict] = []
+        for i, turn in enumerate(turns):
+            messages.append({"role": "user", "content": turn})
+            if i < len(turns) - 1:
+                messages.append({"role": "assistant", "content": answers[json.dumps(messages)]})
+        return messages
+
+    depth = max(len(r.get("earlier_turns", [])) for r in rows)
+    for level in range(depth):
+        todo: dict[str, list[dict]] = {}
+        for r in rows:
+            if len(r.get("earlier_turns", [])) > level:
+                messages = conversation(r["earlier_turns"][: level + 1])
+                todo.setdefault(json.dumps(messages), messages)
+        if bar is not None:
+            bar.total = (bar.total or 0) + len(todo)
+            bar.refresh()
+        prompts = [chat_prompt_ids(tokenizer, m, thinking=thinking) for m in todo.values()]
+        replies = greedy_replies(
+            model, prompts, max_new_tokens=max_new_tokens, stop_ids=stop_ids, batch_size=batch_size, bar=bar
+        )
+        for key, reply in zip(todo, replies):
+            answers[key] = tokenizer.decode(reply, skip_special_tokens=True)
     out = []
     for r in rows:
         if "earlier_turns" not in r:
             out.append(r)
             continue
-        messages = []
-        for turn in r["earlier_turns"]:
-            messages.append({"role": "user", "content": turn})
-            key = json.dumps(messages)
-            if key not in answers:
-                gen = engine.generate([chat_prompt_ids(tokenizer, messages, thinking=thinking)])[0]
-                answers[key] = tokenizer.decode(gen.tokens, skip_special_tokens=True)
-            messages.append({"role": "assistant", "content": answers[key]})
-        out.append({"id": r["id"], "messages": [*messages, {"role": "user", "content": r["text"]}]})
+        messages = conversation([*r["earlier_turns"], r["text"]])
+        out.append({"id": r["id"], "messages": messages})
     return out
 
 

@@ -93,3 +93,24 @@ def truncate_at_stop(tokens: list[int], stop_ids) -> list[int]:
         if t in stop_ids:
             return tokens[: i + 1]
     return tokens
+
+
+def greedy_replies(model, prompts, *, max_new_tokens: int, stop_ids, batch_size: int, bar=None) -> list[list[int]]:
+    """Each prompt's plain greedy reply (`greedy_generate`), cut after a stop token and at the budget;
+    prompts batched by length bucket, a short last batch filled with copies of its first prompt (one shape, one
+    compile per bucket; the copies' replies are dropped)."""
+    replies: list[list[int] | None] = [None] * len(prompts)
+    buckets: dict[int, list[int]] = {}
+    for i, p in enumerate(prompts):
+        buckets.setdefault(bucket_length(len(p)), []).append(i)
+    for idx in buckets.values():
+        size = min(batch_size, len(idx))
+        for start in range(0, len(idx), size):
+            chunk = idx[start : start + size]
+            rows = [prompts[i] for i in chunk]
+            out = greedy_generate(model, rows + [rows[0]] * (size - len(rows)), max_new_tokens, stop_ids)
+            for i, reply in zip(chunk, out):
+                replies[i] = reply
+            if bar is not None:
+                bar.update(len(chunk))
+    return replies

@@ -1,7 +1,7 @@
 """The target's own greedy replies to rows of prompt sets, for the teacher-forced measure (infer.teacher_forced):
-plain greedy decoding (`infer.plain`), batched by length bucket, a later turn asked after the target's answers to
-the earlier ones; or an earlier run's replies, reused where its settings match (one decode serves any number of
-drafters).
+plain greedy decoding (`infer.plain.greedy_replies`, batched by length bucket), a later turn asked after the
+target's answers to the earlier ones; or an earlier run's replies, reused where its settings match (one decode
+serves any number of drafters).
 """
 
 from __future__ import annotations
@@ -14,28 +14,7 @@ from tqdm import tqdm
 
 from infer.eval_sets import encode
 from infer.loading import check_prompt_ids, fit_prompts
-from infer.plain import bucket_length, greedy_generate
-
-
-def greedy_replies(model, prompts, *, max_new_tokens: int, stop_ids, batch_size: int, bar=None) -> list[list[int]]:
-    """Each prompt's plain greedy reply (`infer.plain.greedy_generate`), cut after a stop token and at the budget;
-    prompts batched by length bucket, a short last batch filled with copies of its first prompt (one shape, one
-    compile per bucket; the copies' replies are dropped)."""
-    replies: list[list[int] | None] = [None] * len(prompts)
-    buckets: dict[int, list[int]] = {}
-    for i, p in enumerate(prompts):
-        buckets.setdefault(bucket_length(len(p)), []).append(i)
-    for idx in buckets.values():
-        size = min(batch_size, len(idx))
-        for start in range(0, len(idx), size):
-            chunk = idx[start : start + size]
-            rows = [prompts[i] for i in chunk]
-            out = greedy_generate(model, rows + [rows[0]] * (size - len(rows)), max_new_tokens, stop_ids)
-            for i, reply in zip(chunk, out):
-                replies[i] = reply
-            if bar is not None:
-                bar.update(len(chunk))
-    return replies
+from infer.plain import greedy_replies
 
 
 def _conversation(turns: list[str], answers: dict[str, str]) -> list[dict]:

@@ -49,6 +49,38 @@ def test_turn_two_is_asked_after_the_targets_own_greedy_answer(chat_target):
         eval_sets.encode(rows, tok)
 
 
+def test_earlier_turns_batched_equal_one_at_a_time_and_count_their_answers(chat_target):
+    """Batch 2 writes the same chats as batch 1 (two first turns shared by four rows, a third turn asked after both
+    answers), each distinct earlier conversation answered once and counted on the bar."""
+    _, model = load_target(chat_target)
+    tok = load_tokenizer(chat_target)
+    rows = [
+        {"id": "a", "text": "Hi there"},
+        {"id": "a/2", "text": "And again?", "earlier_turns": ["Hi there"]},
+        {"id": "b/2", "text": "Why?", "earlier_turns": ["Say more"]},
+        {"id": "b/2x", "text": "How?", "earlier_turns": ["Say more"]},
+        {"id": "a/3", "text": "Once more.", "earlier_turns": ["Hi there", "And again?"]},
+    ]
+
+    class Bar:
+        total, n = None, 0
+
+        def update(self, k):
+            self.n += k
+
+        def refresh(self):
+            pass
+
+    one = eval_sets.answer_earlier_turns(model, tok, rows, max_new_tokens=6)
+    bar = Bar()
+    two = eval_sets.answer_earlier_turns(model, tok, rows, max_new_tokens=6, batch_size=2, bar=bar)
+    assert two == one
+    assert bar.total == bar.n == 3  # "Hi there", "Say more", then ("Hi there", its answer, "And again?")
+    assert one[4]["messages"][:3] == one[1]["messages"]  # the third turn follows the second's chat
+    assert [m["role"] for m in one[4]["messages"]] == ["user", "assistant", "user", "assistant", "user"]
+    assert one[2]["messages"][1] == one[3]["messages"][1]
+
+
 def test_zlab_names_its_five_sets_at_their_published_counts():
     assert eval_sets.dataset_names("zlab") == ["gsm8k", "math500", "humaneval", "mbpp", "mtbench"]
     assert eval_sets.dataset_names("gsm8k,humaneval") == ["gsm8k", "humaneval"]
