@@ -227,17 +227,10 @@ def prepared_set(args, target, drafts, name: str, rows: list[dict], stop_ids) ->
     thinking = _check_thinking(args, target)
     if any("earlier_turns" in r for r in rows):
         model = target.load_weights().model
-        with tqdm(desc=f"{name}: earlier turns", unit="answer", disable=args.no_progress, file=sys.stderr) as bar:
-            rows = answer_earlier_turns(
-                model,
-                target.tokenizer,
-                rows,
-                max_new_tokens=args.max_new_tokens,
-                stop_ids=stop_ids,
-                thinking=thinking,
-                batch_size=args.batch_size,
-                bar=bar,
-            )
+        bar = tqdm(desc=f"{name}: earlier turns", unit="answer", disable=args.no_progress, file=sys.stderr)
+        turns = dict(max_new_tokens=args.max_new_tokens, stop_ids=stop_ids, batch_size=args.batch_size, bar=bar)
+        rows = answer_earlier_turns(model, target.tokenizer, rows, thinking=thinking, **turns)
+        bar.close()
     prompts = encode(rows, target.tokenizer, thinking=thinking)
     names = [f"--dataset {name}: prompt {r['id']}" for r in rows]
     check_prompt_ids(prompts, target.config, names=names)
