@@ -46,6 +46,16 @@ def dataset_source(name: str) -> str:
     return name
 
 
+def conversation(turns: list[str], answers: dict[str, str]) -> list[dict]:
+    """User turns with the target's answers to all but the last between them (`answers`: the json of a
+    conversation ending in a user turn -> the answer to it)."""
+    messages: list[dict] = []
+    for turn in turns[:-1]:
+        messages.append({"role": "user", "content": turn})
+        messages.append({"role": "assistant", "content": answers[json.dumps(messages)]})
+    return [*messages, {"role": "user", "content": turns[-1]}]
+
+
 def answer_earlier_turns(
     model, tokenizer, rows: list[dict], *, max_new_tokens: int, stop_ids=(), thinking=False, batch_size=1, bar=None
 ):
@@ -58,22 +68,13 @@ def answer_earlier_turns(
         return rows
     if tokenizer is None:
         raise ValueError("a multi-turn set needs the target's tokenizer to write its answers back into the chat")
-    answers: dict[str, str] = {}  # json of a conversation ending in a user turn -> the target's answer to it
-
-    def conversation(turns: list[str]) -> list[dict]:
-        messages: list[dict] = []
-        for i, turn in enumerate(turns):
-            messages.append({"role": "user", "content": turn})
-            if i < len(turns) - 1:
-                messages.append({"role": "assistant", "content": answers[json.dumps(messages)]})
-        return messages
-
+    answers: dict[str, str] = {}
     depth = max(len(r.get("earlier_turns", [])) for r in rows)
     for level in range(depth):
         todo: dict[str, list[dict]] = {}
         for r in rows:
             if len(r.get("earlier_turns", [])) > level:
-                messages = conversation(r["earlier_turns"][: level + 1])
+                messages = conversation(r["earlier_turns"][: level + 1], answers)
                 todo.setdefault(json.dumps(messages), messages)
         if bar is not None:
             bar.total = (bar.total or 0) + len(todo)
@@ -86,11 +87,9 @@ def answer_earlier_turns(
             answers[key] = tokenizer.decode(reply, skip_special_tokens=True)
     out = []
     for r in rows:
-        if "earlier_turns" not in r:
-            out.append(r)
-            continue
-        messages = conversation([*r["earlier_turns"], r["text"]])
-        out.append({"id": r["id"], "messages": messages})
+        if "earlier_turns" in r:
+            r = {"id": r["id"], "messages": conversation([*r["earlier_turns"], r["text"]], answers)}
+        out.append(r)
     return out
 
 

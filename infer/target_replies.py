@@ -12,24 +12,15 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from infer.eval_sets import encode
+from infer.eval_sets import conversation, encode
 from infer.loading import check_prompt_ids, fit_prompts
 from infer.plain import greedy_replies
-
-
-def _conversation(turns: list[str], answers: dict[str, str]) -> list[dict]:
-    """User turns with the target's answers to all but the last between them."""
-    messages: list[dict] = []
-    for turn in turns[:-1]:
-        messages.append({"role": "user", "content": turn})
-        messages.append({"role": "assistant", "content": answers[json.dumps(messages)]})
-    return [*messages, {"role": "user", "content": turns[-1]}]
 
 
 def _chat(row: dict, answers: dict[str, str]) -> dict:
     """A row as infer.eval's `encode` takes it, a later turn written after the earlier turns' answers."""
     if "earlier_turns" in row:
-        return {"id": row["id"], "messages": _conversation([*row["earlier_turns"], row["text"]], answers)}
+        return {"id": row["id"], "messages": conversation([*row["earlier_turns"], row["text"]], answers)}
     if "text" in row:
         return {"id": row["id"], "messages": [{"role": "user", "content": row["text"]}]}
     return row
@@ -97,7 +88,7 @@ class Replier:
         for r in rows:
             turns = r.get("earlier_turns", [])
             if len(turns) > level:
-                messages = _conversation(turns[: level + 1], self.answers)
+                messages = conversation(turns[: level + 1], self.answers)
                 key = json.dumps(messages)
                 if key not in known and key not in self.answers:
                     out[key] = {"id": f"{r['id']}/earlier{level + 1}", "messages": messages}
