@@ -45,8 +45,10 @@ def committed(record: dict) -> tuple[list[int], list[int]]:
 
 
 def reports_of(path: Path) -> dict[str, dict[str, dict]]:
-    """{set: {decoder: report}} of any eval.json layout (one decoder, `reports`, or `datasets`)."""
+    """{set: {decoder: report}} of any eval.json layout (one decoder, `reports`, or `datasets`) or a kept set."""
     raw = json.loads(path.read_text())
+    if "about" in raw and "result" in raw:  # DIR/sets/SET.json: a set an infer.eval of several sets kept as it finished
+        return {path.stem: raw["result"]["reports"]}
     if "datasets" in raw:
         return {name: res["reports"] for name, res in raw["datasets"].items()}
     name = raw.get("dataset") or raw.get("prompts") or path.parent.name
