@@ -46,20 +46,27 @@ def committed(record: dict) -> tuple[list[int], list[int]]:
 
 def reports_of(path: Path) -> dict[str, dict[str, dict]]:
     """{set: {decoder: report}} of any eval.json layout (one decoder, `reports`, or `datasets`) or a kept set."""
-    raw = json.loads(path.read_text())
-    if "about" in raw and "result" in raw:  # DIR/sets/SET.json: a set an infer.eval of several sets kept as it finished
-        return {path.stem: raw["result"]["reports"]}
-    if "datasets" in raw:
-        return {name: res["reports"] for name, res in raw["datasets"].items()}
-    name = raw.get("dataset") or raw.get("prompts") or path.parent.name
-    if "reports" in raw:
-        return {str(name): raw["reports"]}
-    return {str(name): {raw["draft"]: raw}}
+    if not path.is_file():
+        raise ValueError(f"{path}: no such file (an eval.json of python -m infer.eval, or its DIR/sets/SET.json)")
+    try:
+        raw = json.loads(path.read_text())
+        if "about" in raw and "result" in raw:  # DIR/sets/SET.json: a set a several-set infer.eval kept as it finished
+            return {path.stem: raw["result"]["reports"]}
+        if "datasets" in raw:
+            return {name: res["reports"] for name, res in raw["datasets"].items()}
+        name = raw.get("dataset") or raw.get("prompts") or path.parent.name
+        if "reports" in raw:
+            return {str(name): raw["reports"]}
+        return {str(name): {raw["draft"]: raw}}
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{path}: not an eval.json of python -m infer.eval ({type(e).__name__}: {e})") from None
 
 
 def recount(report: dict, name: str, profiles) -> dict:
     records = []
     for r in report["per_prompt"]:
+        if not isinstance(r, dict) or "accept_lengths" not in r or "spec_tokens" not in r:
+            raise ValueError(f"decoder {name}: a per_prompt record without accept_lengths and spec_tokens")
         out, uncut = committed(r)
         records.append({**r, "accept_lengths": out, "accept_lengths_uncut": uncut})
     k = int(report["block_size"])
@@ -111,6 +118,22 @@ def table(results: dict, profile: str) -> str:
     return "\n".join(lines + notes)
 
 
+def _pair(text: str) -> tuple[str, str]:
+    a, _, b = text.partition(",")
+    if not a or not b or "," in b:
+        raise ValueError(f"--pair {text!r}: give two decoder names as A,B (e.g. --pair ft32@32,ft16@16)")
+    return a, b
+
+
+def _check_pairs(pairs, results: dict) -> None:
+    """Each --pair names two decoders of one set in at least one file: a misspelt name would otherwise compare
+    nothing and say nothing."""
+    for a, b in pairs:
+        if not any(a in reps and b in reps for reps in results.values()):
+            names = sorted({n for reps in results.values() for n in reps})
+            raise ValueError(f"--pair {a},{b}: no file has both decoders in one set; the decoders are {names}")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("files", nargs="+", type=Path, help="eval.json files")
@@ -120,15 +143,22 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.out:
         check_out_dir(args.out, "--out")
-    pairs = [tuple(p.split(",", 1)) for p in args.pair]
+    pairs = [_pair(p) for p in args.pair]
     profiles = load_profiles()
+    if args.profile not in profiles:
+        raise ValueError(f"--profile {args.profile!r}: no such profile; the profiles are {sorted(profiles)}")
     results, compared = {}, {}
     for path in args.files:
-        file = str(path.parent.relative_to(ROOT) if path.is_absolute() else path.parent)
+        where = path.parent.resolve()
+        file = str(where.relative_to(ROOT) if path.is_absolute() and where.is_relative_to(ROOT) else path.parent)
         for set_name, reports in reports_of(path).items():
             key = (file, set_name)
-            results[key] = {n: recount(r, n, profiles) for n, r in reports.items() if r.get("per_prompt")}
+            try:
+                results[key] = {n: recount(r, n, profiles) for n, r in reports.items() if r.get("per_prompt")}
+            except ValueError as e:
+                raise ValueError(f"{path}, set {set_name}: {e}") from None
             compared[key] = comparisons(results[key], args.profile, pairs)
+    _check_pairs(pairs, results)
     text = table(results, args.profile)
     for (file, set_name), found in compared.items():
         if found:

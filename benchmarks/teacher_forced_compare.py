@@ -36,11 +36,25 @@ from infer.projection import load_profiles  # noqa: E402
 SLOTS = 3
 
 
+# What a run must hold to be compared: its drafter, K and each set's per-prompt records and survival.
+RUN_KEYS = ("draft", "block_size", "sets")
+SET_KEYS = ("per_prompt", "survival", "blocks")
+
+
 def load(directory: Path) -> dict:
     path = directory / "teacher_forced.json"
     if not path.is_file():
         raise SystemExit(f"error: {path}: no teacher_forced.json (python -m infer.teacher_forced --out {directory})")
-    return json.loads(path.read_text())
+    try:
+        run = json.loads(path.read_text())
+    except ValueError as e:
+        raise SystemExit(f"error: {path}: not JSON ({e})") from None
+    missing = [key for key in RUN_KEYS if not isinstance(run, dict) or key not in run]
+    if not missing:
+        missing = [f"sets.{name}.{key}" for name, s in run["sets"].items() for key in SET_KEYS if key not in s]
+    if missing:
+        raise SystemExit(f"error: {path}: not a teacher_forced.json of infer.teacher_forced (no {', '.join(missing)})")
+    return run
 
 
 def tau(result: dict) -> float:

@@ -317,3 +317,24 @@ def test_the_matrix_of_several_runs_agrees_with_each_run_and_with_the_pairwise_c
         assert wide["projected@tpu-v5p@smollm2-135m"]["value"] != pytest.approx(wide[key]["value"], abs=1e-3)
     assert (tmp_path / "matrix.md").read_text().count("| ft64 |") >= 3 * len(matrix["sets"])
     assert (tmp_path / "survival.png").stat().st_size > 0
+
+
+def test_a_run_directory_that_is_not_a_teacher_forced_run_is_named(tmp_path):
+    """teacher_forced_compare.py (and the matrix, which loads through it) refuses a teacher_forced.json that is not
+    JSON or lacks what a comparison reads, naming the file and the missing keys."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("tfc", REPO / "benchmarks/teacher_forced_compare.py")
+    tfc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tfc)
+    shipped = json.loads((REPO / "docs/results/teacher-forced/shipped/teacher_forced.json").read_text())
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "teacher_forced.json").write_text("{not json")
+    with pytest.raises(SystemExit, match=r"bad/teacher_forced.json: not JSON"):
+        tfc.load(bad)
+    del shipped["sets"]["gsm8k"]["per_prompt"]
+    (bad / "teacher_forced.json").write_text(json.dumps(shipped))
+    with pytest.raises(SystemExit, match=r"not a teacher_forced.json of .* \(no sets.gsm8k.per_prompt\)"):
+        tfc.load(bad)
+    assert tfc.load(REPO / "docs/results/teacher-forced/shipped")["block_size"] == 16
