@@ -56,6 +56,19 @@ def conversation(turns: list[str], answers: dict[str, str]) -> list[dict]:
     return [*messages, {"role": "user", "content": turns[-1]}]
 
 
+def earlier_conversations(rows: list[dict], level: int, answers: dict[str, str]) -> dict[str, dict]:
+    """{json of the messages: {id, messages}} of the distinct conversations through user turn `level` + 1 that rows
+    with more than `level` earlier turns need answered (the turns before it written with their `answers`); the id
+    names the first row that needs it."""
+    out: dict[str, dict] = {}
+    for r in rows:
+        turns = r.get("earlier_turns", [])
+        if len(turns) > level:
+            messages = conversation(turns[: level + 1], answers)
+            out.setdefault(json.dumps(messages), {"id": f"{r['id']}/earlier{level + 1}", "messages": messages})
+    return out
+
+
 def answer_earlier_turns(
     model, tokenizer, rows: list[dict], *, max_new_tokens: int, stop_ids=(), thinking=False, batch_size=1, bar=None
 ):
@@ -71,15 +84,11 @@ def answer_earlier_turns(
     answers: dict[str, str] = {}
     depth = max(len(r.get("earlier_turns", [])) for r in rows)
     for level in range(depth):
-        todo: dict[str, list[dict]] = {}
-        for r in rows:
-            if len(r.get("earlier_turns", [])) > level:
-                messages = conversation(r["earlier_turns"][: level + 1], answers)
-                todo.setdefault(json.dumps(messages), messages)
+        todo = earlier_conversations(rows, level, answers)
         if bar is not None:
             bar.total = (bar.total or 0) + len(todo)
             bar.refresh()
-        prompts = [chat_prompt_ids(tokenizer, m, thinking=thinking) for m in todo.values()]
+        prompts = [chat_prompt_ids(tokenizer, c["messages"], thinking=thinking) for c in todo.values()]
         replies = greedy_replies(
             model, prompts, max_new_tokens=max_new_tokens, stop_ids=stop_ids, batch_size=batch_size, bar=bar
         )

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from infer.eval_sets import conversation, encode
+from infer.eval_sets import conversation, earlier_conversations, encode
 from infer.loading import check_prompt_ids, fit_prompts
 from infer.plain import greedy_replies
 
@@ -82,18 +82,6 @@ class Replier:
                 self.answers[json.dumps(chat["messages"])] = text
         return prompts, replies, cut
 
-    def _missing_turns(self, rows: list[dict], level: int, known: set[str]) -> list[dict]:
-        """The conversations up to turn `level` + 1 that deeper rows need and no row of this level is."""
-        out: dict[str, dict] = {}
-        for r in rows:
-            turns = r.get("earlier_turns", [])
-            if len(turns) > level:
-                messages = conversation(turns[: level + 1], self.answers)
-                key = json.dumps(messages)
-                if key not in known and key not in self.answers:
-                    out[key] = {"id": f"{r['id']}/earlier{level + 1}", "messages": messages}
-        return list(out.values())
-
     def replies(self, sets: dict[str, list[dict]]) -> dict[str, tuple[list, list, dict]]:
         """{set: (prompts, replies, prompts cut)}, every set's rows of one turn depth decoded together."""
         flat = [(name, i, r) for name, rows in sets.items() for i, r in enumerate(rows)]
@@ -104,7 +92,9 @@ class Replier:
             here = [(name, i, r) for name, i, r in flat if len(r.get("earlier_turns", [])) == level]
             chats = [_chat(r, self.answers) for _, _, r in here]
             known = {json.dumps(c["messages"]) for c in chats if "messages" in c}
-            extra = self._missing_turns([r for _, _, r in flat], level, known)
+            needed = earlier_conversations([r for _, _, r in flat], level, self.answers)
+            # the conversations deeper rows need that no row of this level is (nor an earlier level answered)
+            extra = [c for key, c in needed.items() if key not in known and key not in self.answers]
             names = [f"--dataset {name}: prompt {r['id']}" for name, _, r in here] + [e["id"] for e in extra]
             prompts, replies, cut_here = self._decode(chats + extra, names, f"replies, turn {level + 1}")
             for (name, i, _), p, reply, what in zip(here, prompts, replies, names):

@@ -179,3 +179,26 @@ def test_help_gives_every_flags_default(capsys):
     for flag in flags:
         if not flag.startswith("-h"):
             assert re.search(r"default|required", " ".join(flag.split())), flag
+
+
+def test_teacher_forced_replies_ask_later_turns_in_the_chats_eval_writes(chat_target):
+    """infer.target_replies (the teacher-forced measure's replies) and infer.eval ask a later turn after the same
+    greedy answers: each row's prompt ids are the ones eval encodes, whether its earlier turn is a row of the set
+    ("Hi there") or only an earlier turn of it ("Say more"), and a row's reply is plain greedy's from that prompt."""
+    from types import SimpleNamespace
+
+    from infer.target_replies import Replier
+    from infer.target_spec import load_target_spec
+
+    target = load_target_spec(str(chat_target))
+    target.load_weights()
+    rows = [
+        {"id": "a", "text": "Hi there"},
+        {"id": "a/2", "text": "And again?", "earlier_turns": ["Hi there"]},
+        {"id": "b/2", "text": "Why?", "earlier_turns": ["Say more"]},
+    ]
+    args = SimpleNamespace(max_new_tokens=6, batch_size=2, thinking="off", truncate_prompts=False)
+    prompts, replies, cut = Replier(args, target, 4, (), progress=False).replies({"s": rows})["s"]
+    chats = eval_sets.answer_earlier_turns(target.model, target.tokenizer, rows, max_new_tokens=6)
+    assert prompts == eval_sets.encode(chats, target.tokenizer) and cut == {}
+    assert replies == greedy_generate(target.model, prompts, 6)
